@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv) and activate it.
+# Sourced by train.sh and test.sh; safe to run again: it reinstalls only when
+# pyproject.toml or this script changed since the last successful install.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RLLM_SKYRL_VENV:-$ROOT/.venv}"
+
+find_python312() {
+  local candidate
+  for candidate in "${PYTHON:-}" python3.12; do
+    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 \
+      && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      command -v "$candidate"; return 0
+    fi
+  done
+  local root="${PYENV_ROOT:-$HOME/.pyenv}"
+  command -v pyenv >/dev/null 2>&1 && root="$(pyenv root)"
+  for candidate in "$root"/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    if [ -x "$candidate" ]; then echo "$candidate"; return 0; fi
+  done
+  echo "error: Python 3.12 not found (SkyRL 0.4 needs it). Install it (e.g. 'pyenv install 3.12') or set PYTHON=/path/to/python3.12." >&2
+  return 1
+}
+
+stamp_of() {
+  cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="$(find_python312)"
+  echo "Creating virtual environment in $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+
+STAMP_FILE="$VENV/.rllm_skyrl_install_stamp"
+if [ "$(cat "$STAMP_FILE" 2>/dev/null)" != "$(stamp_of)" ]; then
+  echo "Installing dependencies into $VENV (first run takes a few minutes)..."
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  # torch first and exactly pinned, so nothing later pulls a different build.
+  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+  "$VENV/bin/python" -m pip check
+  stamp_of > "$STAMP_FILE"
+fi
+
+export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"
