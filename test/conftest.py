@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny model built once per session, one Ray for every test that asks for it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep test artefacts (tiny models) out of the user's cache, but reuse them across runs.
+os.environ.setdefault("RLLM_SKYRL_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> str:
+    from rllm_skyrl.tiny_model import build_tiny_model
+
+    return str(build_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """One local Ray (with the CPU patches as worker hook) for the whole run: starting it costs ~20 s."""
+    import ray
+
+    from rllm_skyrl.launcher import start_ray
+    from rllm_skyrl.workers import make_skyrl_config
+
+    log_dir = tmp_path_factory.mktemp("ray_logs")
+    started = start_ray(make_skyrl_config(), log_dir=str(log_dir))
+    yield
+    if started:
+        ray.shutdown()

@@ -1,0 +1,158 @@
+"""The CPU patches: each is applied (driver and Ray workers), each is still needed by the pinned SkyRL."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rllm_skyrl.compat import cpu
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inert on CUDA machines")
+
+
+@pytest.mark.parametrize("patch", cpu.PATCHES, ids=lambda p: p.name)
+def test_pinned_skyrl_still_needs_patch(patch):
+    module_name, attribute, marker = patch.needed_by
+    cpu.apply()  # the stub lets SkyRL's worker modules import
+    target = importlib.import_module(module_name)
+    for part in filter(None, attribute.split(".")):
+        target = getattr(target, part)
+    source = inspect.getsource(target)
+    assert marker in source, (
+        f"{module_name}{'.' + attribute if attribute else ''} no longer contains {marker!r}: "
+        f"SkyRL changed; check whether patch {patch.name!r} is still needed and update or remove it."
+    )
+
+
+UNPATCHED_PROBES = {
+    "flash_attn_stub": "import skyrl.backends.skyrl_train.workers.model_wrapper",
+    "cuda_set_device_noop": "torch.cuda.set_device(0)",
+    "cuda_current_device_cpu": "torch.cuda.current_device()",
+    "cuda_synchronize_noop": "torch.cuda.synchronize()",
+    "tensor_cuda_identity": "torch.zeros(1).cuda()",
+    "empty_on_cpu": "torch.empty(2, device='cuda')",
+    "cpu_device_mesh": "from torch.distributed.device_mesh import init_device_mesh; "
+    "import torch.distributed as d; d.init_process_group('gloo', rank=0, world_size=1, "
+    "init_method='tcp://127.0.0.1:0'); from torch.distributed.fsdp import fully_shard; "
+    "fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh('cuda', (1,)))",
+    "gloo_process_group": "import torch.distributed as d; d.init_process_group('cpu:gloo,cuda:nccl', rank=0, "
+    "world_size=1, init_method='tcp://127.0.0.1:0'); d.all_reduce(torch.zeros(1))",
+}
+
+
+def test_every_patch_has_an_unpatched_probe():
+    assert set(UNPATCHED_PROBES) == {p.name for p in cpu.PATCHES}
+
+
+PROBE_RUNNER = """
+import json, sys, torch
+import torch.distributed as dist
+if sys.argv[1] == "patched":
+    from rllm_skyrl.compat import cpu
+    cpu.apply()
+outcome = {}
+for name, code in json.loads(sys.argv[2]).items():
+    try:
+        exec(code, {"torch": torch})
+        outcome[name] = "ok"
+    except Exception as error:
+        outcome[name] = f"{type(error).__name__}: {error}"[:300]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+print(json.dumps(outcome))
+"""
+
+
+def run_probes(mode: str) -> dict[str, str]:
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE_RUNNER, mode, json.dumps(UNPATCHED_PROBES)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_unpatched_calls_fail_and_patched_calls_work():
+    """Without each patch SkyRL's call fails on this machine; with it, the same call succeeds."""
+    bare, patched = run_probes("bare"), run_probes("patched")
+    obsolete = [name for name, outcome in bare.items() if outcome == "ok"]
+    assert not obsolete, f"these calls now work unpatched; the patches may be obsolete: {obsolete}"
+    broken = {name: outcome for name, outcome in patched.items() if outcome != "ok"}
+    assert not broken, f"still failing with the patches applied: {broken}"
+
+
+def test_apply_is_a_noop_when_cuda_is_available(monkeypatch):
+    installed = []
+    fake = cpu.Patch("probe", ("", "", ""), lambda: installed.append(1))
+    monkeypatch.setattr(cpu, "PATCHES", (fake,))
+    monkeypatch.setattr(cpu, "_applied", False)
+    monkeypatch.setattr(cpu, "cuda_available", lambda: True)
+    cpu.apply()
+    assert installed == [] and not cpu.is_applied()
+    assert cpu.ray_runtime_env() == {}
+
+
+def test_flash_attn_stub_reports_flash_attention_absent():
+    program = textwrap.dedent(
+        """
+        from rllm_skyrl.compat import cpu; cpu.apply()
+        from transformers.utils import is_flash_attn_2_available
+        assert not is_flash_attn_2_available()
+        from flash_attn.bert_padding import pad_input
+        try:
+            pad_input()
+        except RuntimeError as e:
+            assert "remove_microbatch_padding" in str(e)
+        else:
+            raise AssertionError("stub helper did not raise")
+        try:
+            from flash_attn.ops.triton.cross_entropy import cross_entropy_loss  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            raise AssertionError("fused kernels must stay absent")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_cpu_config_overrides_win():
+    from rllm_skyrl.workers import make_skyrl_config
+
+    cfg = make_skyrl_config({"trainer.flash_attn": True, "trainer.placement.colocate_all": True})
+    assert cfg.trainer.flash_attn is False
+    assert cfg.trainer.remove_microbatch_padding is False
+    assert cfg.trainer.placement.colocate_all is False
+    assert cfg.data.dataloader.num_workers == 0
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_patches_are_applied_inside_ray_workers():
+    import ray
+
+    @ray.remote(num_gpus=1)
+    def probe():
+        import torch as t
+
+        from rllm_skyrl.compat import cpu as worker_cpu
+
+        return {
+            "applied": worker_cpu.is_applied(),
+            "device": str(t.cuda.current_device()),
+            "flash_attn": "flash_attn" in sys.modules,
+            "gpu_ids": ray.get_gpu_ids(),
+        }
+
+    result = ray.get(probe.remote())
+    assert result["applied"] and result["device"] == "cpu" and result["flash_attn"]
+    assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones
