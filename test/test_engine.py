@@ -1,0 +1,177 @@
+"""SkyRLEngine over SkyRL's RemoteInferenceClient, against the CPU inference server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+
+from rllm_skyrl.engine import (
+    MAX_PROMPT_LENGTH_EXCEEDED,
+    MAX_RESPONSE_LENGTH_EXCEEDED,
+    ModelOutput,
+    SkyRLEngine,
+    TokenOutput,
+    termination_reason,
+)
+from rllm_skyrl.inference import InferenceServer
+
+MESSAGES = [{"role": "user", "content": "what is 3 plus 4?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with InferenceServer(tiny_model_dir) as srv:
+        yield srv
+    torch.set_num_threads(threads)
+
+
+def make_engine(server, tokenizer, urls=None, **kwargs) -> SkyRLEngine:
+    options = dict(max_prompt_length=64, max_response_length=16) | kwargs
+    return SkyRLEngine.from_urls(urls or [server.url], tokenizer, **options)
+
+
+def run(engine: SkyRLEngine, coro_fn):
+    """Run ``await coro_fn(engine)`` on a fresh loop, closing the engine's HTTP sessions after."""
+
+    async def main():
+        try:
+            return await coro_fn(engine)
+        finally:
+            for client in {id(c): c for c in [engine.client, *engine.data_clients]}.values():
+                await client.teardown()
+
+    return asyncio.run(main())
+
+
+def test_model_output_fields(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer)
+    engine.weight_version = 3
+    out = run(engine, lambda e: e.get_model_response(MESSAGES, application_id="task-1:0"))
+    assert isinstance(out, ModelOutput)
+    expected_prompt = tiny_tokenizer.encode(
+        tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    assert out.prompt_ids == expected_prompt and out.prompt_length == len(expected_prompt)
+    assert 1 <= out.completion_length == len(out.completion_ids) == len(out.logprobs) <= 16
+    assert out.text == tiny_tokenizer.decode(out.completion_ids, skip_special_tokens=True)
+    assert out.content == out.text and out.reasoning == "" and out.tool_calls == []
+    assert out.finish_reason in ("stop", "length")
+    if out.finish_reason == "stop":
+        assert out.completion_ids[-1] == tiny_tokenizer.eos_token_id
+    assert out.weight_version == 3
+    assert out.to_dict()["completion_ids"] == out.completion_ids
+
+
+def test_prompt_over_max_prompt_length_terminates(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer, max_prompt_length=8)
+    with pytest.raises(Exception) as info:
+        run(engine, lambda e: e.get_model_response(MESSAGES))
+    assert getattr(info.value.reason, "value", info.value.reason) == MAX_PROMPT_LENGTH_EXCEEDED
+    # Callers may opt out of the check (rLLM's enforce_max_prompt_length=False).
+    out = run(engine, lambda e: e.get_model_response(MESSAGES, enforce_max_prompt_length=False, max_tokens=2))
+    assert out.completion_length <= 2
+
+
+def test_truncated_response_maps_to_max_response_length_exceeded(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer, train_sampling_params={"ignore_eos": True})
+    # A per-call budget above max_response_length is clipped to it.
+    out = run(engine, lambda e: e.get_model_response(MESSAGES, max_tokens=100))
+    assert out.completion_length == 16 and out.finish_reason == "length"
+    assert termination_reason(out) == MAX_RESPONSE_LENGTH_EXCEEDED
+    assert termination_reason(ModelOutput(finish_reason="stop")) is None
+
+
+def test_train_and_validation_sampling_params(server, tiny_tokenizer):
+    engine = make_engine(
+        server,
+        tiny_tokenizer,
+        train_sampling_params={"temperature": 1.0, "ignore_eos": True},
+        val_sampling_params={"temperature": 0.0},
+    )
+
+    async def sample(e: SkyRLEngine):
+        e.is_validation = True
+        val = [await e.get_model_response(MESSAGES) for _ in range(2)]
+        e.is_validation = False
+        train = [await e.get_model_response(MESSAGES, seed=s) for s in range(3)]
+        return val, train
+
+    val, train = run(engine, sample)
+    assert val[0].completion_ids == val[1].completion_ids
+    assert len({tuple(o.completion_ids) for o in train}) > 1
+
+
+def test_token_in_token_out(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer)
+    assert engine.supports_token_in_token_out
+    prompt = engine.render(MESSAGES)
+    token_output = run(
+        engine, lambda e: e.get_token_output_from_token_input(prompt, max_tokens=5, min_tokens=5)
+    )
+    assert isinstance(token_output, TokenOutput)
+    assert len(token_output.token_ids) == len(token_output.logprobs) == 5
+    assert token_output.finish_reason == "length"
+    out = engine.assemble_model_output(prompt, token_output)
+    assert out.prompt_ids == prompt and out.completion_ids == token_output.token_ids
+
+
+def test_abort_during_weight_sync_is_resumed(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer, max_response_length=450)
+
+    client = engine.data_clients[0]
+    calls = []
+
+    async def counting_generate(input_batch, model=None):
+        calls.append(len(input_batch["prompt_token_ids"][0]))
+        return await type(client).generate(client, input_batch, model=model)
+
+    client.generate = counting_generate
+
+    async def scenario(e: SkyRLEngine):
+        task = asyncio.create_task(e.get_model_response(MESSAGES, min_tokens=450))
+        async with aiohttp.ClientSession() as session:
+            while not (await (await session.get(f"{server.url}/rllm_skyrl/v1/stats")).json())["running"]:
+                await asyncio.sleep(0.002)
+        await e.client.pause(mode="abort")
+        await asyncio.sleep(0.1)
+        await e.client.resume()
+        return await task
+
+    out = run(engine, scenario)
+    assert out.completion_length == len(out.logprobs) == 450 and out.finish_reason == "length"
+    # The aborted call was resubmitted with its partial completion appended to the prompt.
+    assert len(calls) == 2 and calls[1] > calls[0] == out.prompt_length
+
+
+def test_sleep_wake_and_multi_server_routing(server, tiny_tokenizer):
+    engine = make_engine(server, tiny_tokenizer, urls=[server.url, server.url])
+    assert len(engine.data_clients) == 2
+
+    async def scenario(e: SkyRLEngine):
+        await e.sleep()
+        asleep = await e.client.is_sleeping()
+        await e.wake_up()
+        awake = not await e.client.is_sleeping()
+        outs = await asyncio.gather(
+            *(e.get_model_response(MESSAGES, application_id=f"t:{i}") for i in range(4))
+        )
+        return asleep, awake, outs
+
+    asleep, awake, outs = run(engine, scenario)
+    assert asleep and awake and all(o.completion_length >= 1 for o in outs)
+
+
+def test_reasoning_and_tool_calls_are_parsed(tiny_tokenizer):
+    engine = SkyRLEngine(None, tiny_tokenizer, max_prompt_length=8, max_response_length=8)
+    text = '<think>add them</think>the answer <tool_call>{"name": "calc", "arguments": {"a": 3}}</tool_call>'
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    out = engine.assemble_model_output([1, 2], TokenOutput(ids, None, "stop"))
+    assert out.reasoning == "add them"
+    assert out.content.startswith("the answer")
+    assert [(c.name, c.arguments) for c in out.tool_calls] == [("calc", {"a": 3})]

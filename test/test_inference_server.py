@@ -1,0 +1,474 @@
+"""The CPU inference server, driven through SkyRL's own RemoteInferenceClient."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import torch
+from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+
+from rllm_skyrl.inference import InferenceServer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny model: per-op overhead dominates, extra threads only contend
+    with InferenceServer(tiny_model_dir) as srv:
+        yield srv
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    """Chat prompts of different lengths, so batches are left-padded and merged."""
+    questions = ["what is 3 plus 4?", "hello", "solve: what is 9 plus 9? think step by step", "yes"]
+    return [
+        tiny_tokenizer.encode(
+            tiny_tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for q in questions
+    ]
+
+
+def with_client(server: InferenceServer, tokenizer, fn):
+    """Run ``await fn(client)`` on a fresh loop with a SkyRL client pointed at ``server``."""
+
+    async def main():
+        async with RemoteInferenceClient(
+            proxy_url=server.url, server_urls=[server.url], data_parallel_size=1, tokenizer=tokenizer
+        ) as client:
+            return await fn(client)
+
+    return asyncio.run(main())
+
+
+def generate(client, prompts, **sampling):
+    return client.generate({"prompt_token_ids": prompts, "sampling_params": sampling})
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of ``completion`` under a plain, unpadded HF forward."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+async def post(url: str, payload: dict | None = None, method: str = "POST") -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.request(method, url, json=payload) as resp:
+            return resp.status, await resp.json()
+
+
+async def until_running(server: InferenceServer) -> None:
+    """Wait until the server is decoding something (so a pause lands mid-request)."""
+    for _ in range(1000):
+        _, stats = await post(f"{server.url}/rllm_skyrl/v1/stats", method="GET")
+        if stats["running"]:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("no request started running")
+
+
+def test_generate_shapes_and_finish_reasons(server, tiny_tokenizer, prompts):
+    out = with_client(server, tiny_tokenizer, lambda c: generate(c, prompts, max_tokens=8, logprobs=0))
+    assert len(out["response_ids"]) == len(prompts)
+    for ids, lps, reason, text in zip(
+        out["response_ids"], out["response_logprobs"], out["stop_reasons"], out["responses"], strict=True
+    ):
+        assert 1 <= len(ids) <= 8 and len(lps) == len(ids)
+        assert reason == "length" if len(ids) == 8 else reason == "stop"
+        assert all(lp <= 0 for lp in lps)
+        assert text == tiny_tokenizer.decode(ids)
+
+    forced = with_client(
+        server, tiny_tokenizer, lambda c: generate(c, prompts, max_tokens=12, min_tokens=12, logprobs=None)
+    )
+    assert [len(ids) for ids in forced["response_ids"]] == [12] * len(prompts)
+    assert forced["stop_reasons"] == ["length"] * len(prompts)
+    assert forced["response_logprobs"] is None
+
+
+def test_skyrl_generator_sampling_params_are_accepted(server, tiny_tokenizer, prompts):
+    """The exact dict SkyRL's generator sends (its defaults plus vLLM extras) works as is."""
+    from skyrl.backends.skyrl_train.inference_servers.engine_utils import get_sampling_params_for_backend
+    from skyrl.train.config import SamplingParams as SkyRLSamplingParams
+
+    params = get_sampling_params_for_backend(
+        "vllm", SkyRLSamplingParams(max_generate_length=6, stop=["\n\n"])
+    )
+    out = with_client(server, tiny_tokenizer, lambda c: generate(c, prompts, **params))
+    assert all(1 <= len(ids) <= 6 for ids in out["response_ids"])
+    assert all(
+        len(lps) == len(ids) for lps, ids in zip(out["response_logprobs"], out["response_ids"], strict=True)
+    )
+
+
+def test_temperature_zero_is_deterministic_and_batch_invariant(server, tiny_tokenizer, prompts, hf_model):
+    async def run(client):
+        batched = await generate(client, prompts, max_tokens=10, min_tokens=10, temperature=0.0)
+        alone = await generate(client, prompts[:1], max_tokens=10, min_tokens=10, temperature=0.0)
+        return batched, alone
+
+    batched, alone = with_client(server, tiny_tokenizer, run)
+    assert batched["response_ids"][0] == alone["response_ids"][0]
+    # A plain greedy loop on the HF model picks the same tokens.
+    ids = list(prompts[0])
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert alone["response_ids"][0] == ids[len(prompts[0]) :]
+
+
+def test_seeded_sampling_reproduces_in_any_batch(server, tiny_tokenizer, prompts):
+    async def run(client):
+        first = await generate(client, prompts[:1], max_tokens=12, min_tokens=12, seed=123)
+        crowd = await generate(client, prompts[:1] * 6, max_tokens=12, min_tokens=12, seed=123)
+        other = await generate(client, prompts[:1], max_tokens=12, min_tokens=12, seed=124)
+        return first, crowd, other
+
+    first, crowd, other = with_client(server, tiny_tokenizer, run)
+    assert all(ids == first["response_ids"][0] for ids in crowd["response_ids"])
+    assert other["response_ids"][0] != first["response_ids"][0]
+
+
+def test_stop_token_ids_and_stop_strings(server, tiny_tokenizer, prompts):
+    greedy = dict(max_tokens=12, min_tokens=0, temperature=0.0, ignore_eos=True)
+
+    async def run(client):
+        base = await generate(client, prompts[:1], **greedy)
+        ids = base["response_ids"][0]
+        stop_at = next(i for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+        cut = await generate(client, prompts[:1], **greedy, stop_token_ids=[ids[stop_at]])
+        chat = await client.chat_completion(
+            {"json": {"messages": [{"role": "user", "content": "what is 3 plus 4?"}], **greedy}}
+        )
+        text = chat["choices"][0]["message"]["content"]
+        stop_str = text[3:5]
+        stopped = await client.chat_completion(
+            {
+                "json": {
+                    "messages": [{"role": "user", "content": "what is 3 plus 4?"}],
+                    **greedy,
+                    "stop": [stop_str],
+                }
+            }
+        )
+        return ids, stop_at, cut, text, stop_str, stopped
+
+    ids, stop_at, cut, text, stop_str, stopped = with_client(server, tiny_tokenizer, run)
+    assert cut["response_ids"][0] == ids[: stop_at + 1]
+    assert cut["stop_reasons"] == ["stop"]
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_str
+    assert choice["message"]["content"] == text[: text.find(stop_str)]
+
+
+def test_logprobs_match_hf_forward(server, tiny_tokenizer, prompts, hf_model):
+    temperature = 0.7
+    sampling = dict(max_tokens=16, temperature=temperature, top_k=20, logprobs=0)
+
+    async def staggered(client):
+        # Later requests join a batch that is already decoding, exercising the KV-cache merge.
+        async def one(i, prompt):
+            await asyncio.sleep(0.004 * i)
+            return await generate(client, [prompt], **sampling)
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts * 3)))
+
+    outs = with_client(server, tiny_tokenizer, staggered)
+    diffs = []
+    for prompt, out in zip(prompts * 3, outs, strict=True):
+        ids, lps = out["response_ids"][0], out["response_logprobs"][0]
+        diffs.append((hf_logprobs(hf_model, prompt, ids, temperature) - torch.tensor(lps)).abs())
+    assert torch.cat(diffs).mean() < 1e-3
+
+
+def test_256_concurrent_requests_all_complete(server, tiny_tokenizer, prompts):
+    many = [prompts[i % len(prompts)] + [5] * (i % 7) for i in range(256)]
+
+    async def run(client):
+        budgets = [1 + i % 16 for i in range(256)]
+        results = await asyncio.gather(
+            *(
+                generate(client, [p], max_tokens=b, min_tokens=b, logprobs=0)
+                for p, b in zip(many, budgets, strict=True)
+            )
+        )
+        return budgets, results
+
+    start = time.perf_counter()
+    budgets, results = with_client(server, tiny_tokenizer, run)
+    elapsed = time.perf_counter() - start
+    assert [len(r["response_ids"][0]) for r in results] == budgets
+    assert all(len(r["response_logprobs"][0]) == b for r, b in zip(results, budgets, strict=True))
+    assert elapsed < 20
+    status, stats = asyncio.run(post(f"{server.url}/rllm_skyrl/v1/stats", method="GET"))
+    assert status == 200 and stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_bad_requests_get_4xx_with_a_message(server, tiny_tokenizer):
+    async def run(client):
+        errors = []
+        for prompt, params in (
+            ([5] * 600, {"max_tokens": 4}),
+            ([10**6], {"max_tokens": 4}),
+            ([5, 6], {"max_tokens": 4, "best_of_everything": 3}),
+            ([5, 6], {"max_tokens": 4, "repetition_penalty": 1.3}),
+        ):
+            with pytest.raises(aiohttp.ClientResponseError) as info:
+                await generate(client, [prompt], **params)
+            errors.append(info.value)
+        return errors
+
+    too_long, bad_id, unknown, unsupported = with_client(server, tiny_tokenizer, run)
+    assert too_long.status == 400 and "maximum context length is 512" in too_long.message
+    assert bad_id.status == 400 and "token ids must lie in" in bad_id.message
+    assert unknown.status == 400 and "best_of_everything" in unknown.message
+    assert unsupported.status == 400 and "repetition_penalty" in unsupported.message
+    # The server is still healthy afterwards.
+    assert asyncio.run(post(f"{server.url}/health", method="GET"))[0] == 200
+
+
+def test_pause_keep_freezes_and_holds_until_resume(server, tiny_tokenizer, prompts):
+    async def run(client):
+        running = asyncio.create_task(
+            generate(client, prompts[:1], max_tokens=450, min_tokens=450, logprobs=0)
+        )
+        await until_running(server)
+        await client.pause(mode="keep")
+        held = asyncio.create_task(generate(client, prompts[1:2], max_tokens=4, min_tokens=4))
+        await asyncio.sleep(0.3)
+        _, stats = await post(f"{server.url}/rllm_skyrl/v1/stats", method="GET")
+        frozen = not running.done() and not held.done()
+        await client.resume()
+        return frozen, stats, await running, await held
+
+    frozen, stats, running, held = with_client(server, tiny_tokenizer, run)
+    assert frozen and stats["running"] == 1 and stats["waiting"] == 1
+    assert running["stop_reasons"] == ["length"] and len(running["response_ids"][0]) == 450
+    assert len(running["response_logprobs"][0]) == 450
+    assert held["stop_reasons"] == ["length"] and len(held["response_ids"][0]) == 4
+
+
+def test_pause_abort_returns_partial_output(server, tiny_tokenizer, prompts):
+    async def run(client):
+        running = asyncio.create_task(generate(client, prompts[:1], max_tokens=450, min_tokens=450))
+        await until_running(server)
+        await client.pause(mode="abort")
+        aborted = await asyncio.wait_for(running, timeout=5)
+        held = asyncio.create_task(generate(client, prompts[:1], max_tokens=3, min_tokens=3))
+        await asyncio.sleep(0.2)
+        was_held = not held.done()
+        await client.resume()
+        return aborted, was_held, await held
+
+    aborted, was_held, after = with_client(server, tiny_tokenizer, run)
+    assert aborted["stop_reasons"] == ["abort"] and 1 <= len(aborted["response_ids"][0]) < 450
+    assert was_held and after["stop_reasons"] == ["length"]
+
+
+def test_pause_wait_lets_running_requests_finish(server, tiny_tokenizer, prompts):
+    async def run(client):
+        running = asyncio.create_task(generate(client, prompts[:1], max_tokens=60, min_tokens=60))
+        await until_running(server)
+        await client.pause(mode="wait")
+        _, stats = await post(f"{server.url}/rllm_skyrl/v1/stats", method="GET")
+        finished = await asyncio.wait_for(running, timeout=5)  # completes while still paused
+        await client.resume()
+        return stats, finished
+
+    stats, finished = with_client(server, tiny_tokenizer, run)
+    assert stats["paused"] and stats["running"] == 0 and stats["waiting"] == 0
+    assert finished["stop_reasons"] == ["length"] and len(finished["response_ids"][0]) == 60
+
+
+def test_sleep_and_wake_up(server, tiny_tokenizer, prompts):
+    async def run(client):
+        await client.sleep(level=1)
+        asleep = await client.is_sleeping()
+        held = asyncio.create_task(generate(client, prompts[:1], max_tokens=2, min_tokens=2))
+        await asyncio.sleep(0.2)
+        was_held = not held.done()
+        await client.wake_up(tags=["weights"])
+        still_asleep = await client.is_sleeping()
+        await client.wake_up(tags=["kv_cache"])
+        return asleep, was_held, still_asleep, await client.is_sleeping(), await held
+
+    asleep, was_held, still_asleep, awake_now, result = with_client(server, tiny_tokenizer, run)
+    assert asleep and was_held and still_asleep and not awake_now
+    assert len(result["response_ids"][0]) == 2
+
+
+def test_control_and_info_endpoints(server, tiny_tokenizer):
+    async def run(client):
+        return (
+            await client.get_world_size(),
+            await client.reset_prefix_cache(),
+            await post(f"{server.url}/v1/models", method="GET"),
+            await post(f"{server.url}/update_weights", {}),
+        )
+
+    world, reset, (_, models), (gpu_status, gpu_error) = with_client(server, tiny_tokenizer, run)
+    assert world == (1, 1)
+    assert reset[server.url]["status"] == 200
+    assert models["data"][0]["id"] == server.served_model_name and models["data"][0]["max_model_len"] == 512
+    assert gpu_status == 501 and "/rllm_skyrl/v1/load_weights" in gpu_error["error"]["message"]
+
+
+def test_full_weight_reload_changes_logprobs(
+    server, tiny_tokenizer, prompts, hf_model, tiny_model_dir, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    perturbed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    perturbed.save_pretrained(tmp_path / "step1")
+    sampling = dict(max_tokens=12, min_tokens=12, temperature=1.0, logprobs=0)
+
+    async def run(client):
+        status, loaded = await post(
+            f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(tmp_path / "step1"), "weight_version": 7}
+        )
+        _, version = await post(f"{server.url}/rllm_skyrl/v1/weight_version", method="GET")
+        out = await generate(client, prompts, **sampling)
+        await post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": tiny_model_dir, "weight_version": 0})
+        return status, loaded, version, out
+
+    status, loaded, version, out = with_client(server, tiny_tokenizer, run)
+    assert status == 200 and loaded["weight_version"] == 7 and version["weight_version"] == 7
+    new_diff, old_diff = [], []
+    for prompt, ids, lps in zip(prompts, out["response_ids"], out["response_logprobs"], strict=True):
+        served = torch.tensor(lps)
+        new_diff.append((hf_logprobs(perturbed, prompt, ids, 1.0) - served).abs())
+        old_diff.append((hf_logprobs(hf_model, prompt, ids, 1.0) - served).abs())
+    assert torch.cat(new_diff).mean() < 1e-3
+    assert torch.cat(old_diff).mean() > 1e-2
+
+
+def test_load_weights_rejects_a_different_architecture(server, tmp_path):
+    from rllm_skyrl.tiny_model import TinyModelConfig, build_tiny_model
+
+    other = build_tiny_model(TinyModelConfig(hidden_size=32, intermediate_size=64), cache_dir=tmp_path)
+    status, body = asyncio.run(post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(other)}))
+    assert status == 400 and "shape mismatch" in body["error"]["message"]
+    status, body = asyncio.run(
+        post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(tmp_path / "nope")})
+    )
+    assert status == 400 and "not a directory" in body["error"]["message"]
+
+
+def test_lora_adapter_load_generate_unload(
+    server, tiny_tokenizer, prompts, hf_model, tiny_model_dir, tmp_path
+):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    torch.manual_seed(1)
+    lora = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ).eval()
+    lora.save_pretrained(tmp_path / "adapter")
+    sampling = dict(max_tokens=8, min_tokens=8, logprobs=0)
+
+    async def run(client):
+        # A base-model request already decoding keeps using the base weights while the adapter loads.
+        long_base = asyncio.create_task(
+            generate(client, prompts[:1], max_tokens=200, min_tokens=200, logprobs=0)
+        )
+        await until_running(server)
+        await client.load_lora_adapter("skyrl-lora", str(tmp_path / "adapter"))
+        tuned = await client.generate(
+            {"prompt_token_ids": prompts[:2], "sampling_params": sampling}, model="skyrl-lora"
+        )
+        plain = await generate(client, prompts[:2], **sampling)
+        base = await long_base
+        plain["response_ids"] += base["response_ids"]
+        plain["response_logprobs"] += base["response_logprobs"]
+        await client.unload_lora_adapter("skyrl-lora")
+        with pytest.raises(aiohttp.ClientResponseError) as gone:
+            await client.generate(
+                {"prompt_token_ids": prompts[:1], "sampling_params": sampling}, model="skyrl-lora"
+            )
+        return tuned, plain, gone.value
+
+    tuned, plain, gone = with_client(server, tiny_tokenizer, run)
+    for prompt, ids, lps in zip(prompts, tuned["response_ids"], tuned["response_logprobs"], strict=False):
+        assert (hf_logprobs(lora, prompt, ids, 1.0) - torch.tensor(lps)).abs().mean() < 1e-3
+    plain_prompts = [*prompts[:2], prompts[0]]
+    for prompt, ids, lps in zip(
+        plain_prompts, plain["response_ids"], plain["response_logprobs"], strict=True
+    ):
+        assert (hf_logprobs(hf_model, prompt, ids, 1.0) - torch.tensor(lps)).abs().mean() < 1e-3
+    assert gone.status == 404
+
+
+def test_openai_chat_and_completions(server, tiny_tokenizer):
+    async def run(client):
+        chat = await client.chat_completion(
+            {
+                "json": {
+                    "messages": [{"role": "user", "content": "what is 2 plus 2?"}],
+                    "max_tokens": 6,
+                    "n": 2,
+                    "seed": 3,
+                    "logprobs": True,
+                    "top_logprobs": 2,
+                    "return_token_ids": True,
+                }
+            }
+        )
+        text = await client.completion({"json": {"prompt": "what is 1 plus", "max_tokens": 5, "logprobs": 1}})
+        return chat, text
+
+    chat, text = with_client(server, tiny_tokenizer, run)
+    assert chat["object"] == "chat.completion" and len(chat["choices"]) == 2
+    for choice in chat["choices"]:
+        ids = choice["token_ids"]
+        assert choice["message"]["role"] == "assistant"
+        assert choice["message"]["content"] == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+        assert len(choice["logprobs"]["content"]) == len(ids)
+        assert all(len(entry["top_logprobs"]) == 2 for entry in choice["logprobs"]["content"])
+    assert chat["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in chat["choices"])
+    assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
+    choice = text["choices"][0]
+    assert text["object"] == "text_completion" and isinstance(choice["text"], str)
+    assert len(choice["logprobs"]["token_logprobs"]) == text["usage"]["completion_tokens"]
+
+
+def test_cli_serves_on_a_free_port(tiny_model_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rllm_skyrl.inference", "--model", tiny_model_dir, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        url = line.strip().rsplit(" ", 1)[-1]
+        status, body = asyncio.run(post(f"{url}/health", method="GET"))
+        assert status == 200 and body == {"status": "ok"}
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
