@@ -17,6 +17,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rllm_skyrl.trainer.types import ModelOutput, TerminationEvent
+
 logger = logging.getLogger(__name__)
 
 MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
@@ -62,46 +64,12 @@ class ToolCall:
 
 
 @dataclass
-class ModelOutput:
-    """One sampled completion, with rLLM's field names; token ids are the source of truth."""
-
-    text: str | None = None
-    content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    prompt_ids: list[int] | None = None
-    completion_ids: list[int] | None = None
-    logprobs: list[float] | None = None
-    prompt_length: int = 0
-    completion_length: int = 0
-    finish_reason: str | None = None
-    weight_version: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["tool_calls"] = [c.to_dict() for c in self.tool_calls or []]
-        return out
-
-
-@dataclass
 class TokenOutput:
     """What the server returned for one token-in request (after abort-retries are stitched)."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
-
-
-class TerminationEvent(Exception):
-    """Ends a rollout early; ``reason`` is an rLLM termination-reason value.
-
-    ``termination_event`` raises rLLM's own class instead when rLLM is installed, so rLLM
-    workflows record the reason; our driver reads ``.reason`` from either.
-    """
-
-    def __init__(self, reason: str):
-        super().__init__(f"Terminated: {reason}")
-        self.reason = reason
 
 
 def termination_event(reason: str) -> Exception:
@@ -297,6 +265,11 @@ class SkyRLEngine:
     # ------------------------------------------------------------------ memory
     async def wake_up(self) -> None:
         await self.client.wake_up()
+
+    async def close(self) -> None:
+        """Close the clients' HTTP sessions (inside the event loop that opened them)."""
+        for client in {id(c): c for c in [self.client, *self.data_clients]}.values():
+            await client.teardown()
 
     async def sleep(self) -> None:
         await self.client.sleep(level=self.sleep_level)

@@ -472,3 +472,41 @@ def test_cli_serves_on_a_free_port(tiny_model_dir):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_reload_unties_embeddings_the_trainer_trained_apart(
+    server, tiny_tokenizer, prompts, tiny_model_dir, tmp_path
+):
+    """SkyRL's FSDP workers train a tied lm_head and embedding apart; the server must follow."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    untied_dir = tmp_path / "untied"
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tied.save_pretrained(untied_dir)
+    state = load_file(untied_dir / "model.safetensors")
+    torch.manual_seed(1)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"] + 0.1 * torch.randn_like(
+        state["model.embed_tokens.weight"]
+    )
+    save_file(state, untied_dir / "model.safetensors", metadata={"format": "pt"})
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    reference.lm_head.weight = torch.nn.Parameter(state["lm_head.weight"].clone())
+    reference.config.tie_word_embeddings = False
+    assert not torch.equal(reference.lm_head.weight, reference.model.embed_tokens.weight)
+    sampling = dict(max_tokens=8, min_tokens=8, temperature=1.0, logprobs=0)
+
+    async def run(client):
+        status, _ = await post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(untied_dir)})
+        out = await generate(client, prompts, **sampling)
+        restored, _ = await post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": tiny_model_dir})
+        return status, out, restored
+
+    status, out, restored = with_client(server, tiny_tokenizer, run)
+    assert status == 200 and restored == 200  # the tied original (lm_head saved once) still loads
+    diffs = [
+        (hf_logprobs(reference, prompt, ids, 1.0) - torch.tensor(lps)).abs()
+        for prompt, ids, lps in zip(prompts, out["response_ids"], out["response_logprobs"], strict=True)
+    ]
+    assert torch.cat(diffs).mean() < 1e-3

@@ -47,23 +47,33 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Keys that shared storage when the model was loaded (tied embeddings), remembered across untying."""
+    groups = getattr(model, "_rllm_skyrl_tied_groups", None)
+    if groups is None:
+        by_storage: dict[int, list[str]] = {}
+        for key, tensor in model.state_dict().items():
+            by_storage.setdefault(tensor.data_ptr(), []).append(key)
+        groups = [keys for keys in by_storage.values() if len(keys) > 1]
+        model._rllm_skyrl_tied_groups = groups
+    return groups
+
+
 def load_full_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copy a checkpoint into ``model``'s existing tensors (casting dtype), or refuse untouched.
 
     Keys and shapes are checked before anything is copied, so a wrong checkpoint leaves the
-    served weights as they were. Keys absent from the file are accepted only when they alias a
-    present tensor (tied embeddings are saved once).
+    served weights as they were. A tied key absent from the file takes its partner's value
+    (tied embeddings are saved once).
     """
+    groups = _tied_groups(model)
     incoming = read_hf_state_dict(path)
+    for keys in groups:
+        present = [key for key in keys if key in incoming]
+        for key in keys if present else []:
+            incoming.setdefault(key, incoming[present[0]])
     current = model.state_dict()
-    aliases: dict[int, list[str]] = {}
-    for key, tensor in current.items():
-        aliases.setdefault(tensor.data_ptr(), []).append(key)
-    missing = [
-        key
-        for key, tensor in current.items()
-        if key not in incoming and not any(alias in incoming for alias in aliases[tensor.data_ptr()])
-    ]
+    missing = [key for key in current if key not in incoming]
     unexpected = [key for key in incoming if key not in current]
     mismatched = [
         f"{key}: file {tuple(t.shape)} vs model {tuple(current[key].shape)}"
@@ -77,9 +87,33 @@ def load_full_weights(model: torch.nn.Module, path: str | Path) -> None:
             f"(missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {mismatched[:5]}); "
             "it must come from the same architecture; to serve another one, restart the server with --model",
         )
+    _untie_diverged(model, incoming, groups)
+    current = model.state_dict()
     with torch.no_grad():
         for key, tensor in incoming.items():
             current[key].copy_(tensor)
+
+
+def _untie_diverged(
+    model: torch.nn.Module, incoming: dict[str, torch.Tensor], groups: list[list[str]]
+) -> None:
+    """Give tied tensors their own storage when the trainer sent them with different values.
+
+    SkyRL's FSDP workers shard ``lm_head`` and ``embed_tokens`` as separate parameters, so a
+    model whose config ties them trains them apart; serving them tied would sample from a
+    policy the trainer never had (the trainer-vs-rollout logprob gap grows every step).
+    """
+    current = model.state_dict()
+    for keys in groups:
+        first = keys[0]
+        for key in keys[1:]:
+            shared = current[key].data_ptr() == current[first].data_ptr()
+            if shared and not torch.equal(incoming[key], incoming[first]):
+                module_name, _, param_name = key.rpartition(".")
+                module = model.get_submodule(module_name)
+                setattr(module, param_name, torch.nn.Parameter(getattr(module, param_name).detach().clone()))
+                if getattr(model.config, "tie_word_embeddings", False):
+                    model.config.tie_word_embeddings = False
 
 
 class LoraAdapters:

@@ -9,7 +9,7 @@ logprob/token length check that guards every training row.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,17 @@ class TerminationReason(StrEnum):
     ERROR = "error"
 
 
+class TerminationEvent(Exception):
+    """Raised inside a rollout to end it early; ``reason`` is a ``TerminationReason`` value.
+
+    rLLM raises its own class of the same name; the workflow engine reads ``.reason`` from either.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(f"Terminated: {reason}")
+        self.reason = reason
+
+
 @dataclass
 class ModelOutput:
     """One sampled completion as a rollout engine returns it (token ids are the source of truth)."""
@@ -48,6 +59,11 @@ class ModelOutput:
     finish_reason: str | None = None
     weight_version: int | None = None
     metrics: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tool_calls"] = [c.to_dict() if hasattr(c, "to_dict") else c for c in self.tool_calls or []]
+        return out
 
 
 @dataclass

@@ -254,6 +254,13 @@ class WorkflowEngine:
         except TimeoutError:
             return Episode(id=uid, task=task, termination_reason=TerminationReason.TIMEOUT)
         except Exception as exc:
+            reason = getattr(exc, "reason", None)  # a TerminationEvent (ours or rLLM's)
+            if reason is not None and str(getattr(reason, "value", reason)) in set(TerminationReason):
+                return Episode(
+                    id=uid,
+                    task=task,
+                    termination_reason=TerminationReason(str(getattr(reason, "value", reason))),
+                )
             error = {
                 "error_type": type(exc).__name__,
                 "error_message": str(exc),
