@@ -1,0 +1,25 @@
+"""Solver-judge GRPO through SkyRLBackend: ``python -m examples.solver_judge.train [overrides]``."""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from examples.simple_math.task import make_rows
+from examples.solver_judge.workflow import SolverJudgeWorkflow
+from rllm_skyrl.launcher import run
+
+
+@hydra.main(config_path=".", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(
+        cfg,
+        workflow_class=SolverJudgeWorkflow,
+        workflow_args={"num_solutions": cfg.workflow.num_solutions},
+        train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
+        val_dataset=make_rows(cfg.dataset.val_rows, seed=cfg.dataset.seed + 1),
+    )
+
+
+if __name__ == "__main__":
+    main()
