@@ -87,6 +87,12 @@ def _cli_keys(cli_overrides: Iterable[str]) -> dict[str, str]:
     return keys
 
 
+def _on_cli(key: str, cli: dict[str, str]) -> bool:
+    """Whether ``key`` or a node above it (``skyrl.generator.sampling_params={...}``) was set on the CLI."""
+    parts = key.split(".")
+    return any(".".join(parts[:depth]) in cli for depth in range(1, len(parts) + 1))
+
+
 def _select(cfg: DictConfig, key: str) -> Any:
     value = OmegaConf.select(cfg, key, default=None)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
@@ -103,8 +109,8 @@ def skyrl_overrides(cfg: DictConfig, cli_overrides: Iterable[str] = ()) -> dict[
     cli = _cli_keys(cli_overrides)
 
     for pair in BRIDGE:
-        skyrl_on_cli = f"skyrl.{pair.skyrl}" in cli
-        rllm_on_cli = pair.rllm in cli
+        skyrl_on_cli = _on_cli(f"skyrl.{pair.skyrl}", cli)
+        rllm_on_cli = _on_cli(pair.rllm, cli)
         rllm_value = _select(cfg, pair.rllm)
         if skyrl_on_cli and not rllm_on_cli:
             continue
