@@ -145,3 +145,69 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
     }
     lines += [f"{key}: {value:.3f}" for key, value in sorted(validation.items())]
     print("\n".join(lines), flush=True)
+
+
+def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
+    """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from omegaconf import OmegaConf
+    from skyrl.train.config.config import get_config_as_yaml_str
+
+    from rllm_skyrl.config_bridge import skyrl_overrides
+    from rllm_skyrl.workers import make_skyrl_config
+
+    init = (
+        initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
+        if config_dir
+        else initialize_config_module(config_module="rllm_skyrl.config", version_base=None)
+    )
+    with init:
+        cfg = compose(config_name, overrides=overrides)
+    skyrl_cfg = make_skyrl_config(skyrl_overrides(cfg, overrides), for_cpu=False)
+    trainer = skyrl_cfg.trainer
+    placement = trainer.placement
+    roles = [("policy", placement.policy_num_nodes, placement.policy_num_gpus_per_node)]
+    if trainer.critic.model.path:
+        roles.append(("critic", placement.critic_num_nodes, placement.critic_num_gpus_per_node))
+    if trainer.algorithm.use_kl_loss or trainer.algorithm.use_kl_in_reward:
+        roles.append(("ref", placement.ref_num_nodes, placement.ref_num_gpus_per_node))
+    urls = OmegaConf.select(cfg, "inference.urls")
+    engines = len(urls) if urls else int(OmegaConf.select(cfg, "inference.num_engines", default=1))
+    lines = ["# placement"]
+    lines += [
+        f"{role}: {nodes} node(s) x {gpus} GPU(s) = {nodes * gpus} training GPU(s)"
+        for role, nodes, gpus in roles
+    ]
+    lines.append(
+        f"inference: {engines} engine(s) "
+        + (f"at {list(urls)}" if urls else "started by the backend (vLLM on GPU, transformers on CPU)")
+    )
+    lines.append(
+        f"colocate_all: {placement.colocate_all}  colocate_policy_ref: {placement.colocate_policy_ref}"
+    )
+    total = sum(nodes * gpus for _, nodes, gpus in roles)
+    lines.append(f"total training GPUs: {total}")
+    return "\n".join(lines) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(skyrl_cfg)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rllm-skyrl")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan_parser = commands.add_parser(
+        "plan", help="print the resolved SkyRL config and placement; start nothing"
+    )
+    plan_parser.add_argument(
+        "--config-dir", default=None, help="directory of the run config (default: packaged)"
+    )
+    plan_parser.add_argument("--config-name", default="unified")
+    plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        print(plan(args.overrides, args.config_name, args.config_dir))
+
+
+if __name__ == "__main__":
+    main()

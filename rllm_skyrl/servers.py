@@ -143,3 +143,28 @@ def external_servers(urls: list[str]) -> ServerGroup:
                 f"inference server {url} is not reachable ({error}); check inference.urls"
             ) from error
     return ServerGroup(urls=list(urls))
+
+
+@dataclass
+class SkyRLServers(ServerGroup):
+    """SkyRL's own vLLM servers and router (GPU), with the client SkyRL built for them."""
+
+    client: object = None
+    setup: object = None
+
+    def stop(self) -> None:
+        for group in getattr(self.setup, "server_groups", []):
+            group.shutdown()
+        if getattr(self.setup, "router", None) is not None:
+            self.setup.router.shutdown()
+
+
+def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
+    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``)."""
+    from rllm_skyrl.optional_deps import require
+
+    require("vllm")
+    from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
+
+    client, setup = build_new_inference_client(skyrl_cfg, tokenizer)
+    return SkyRLServers(urls=list(setup.server_urls), client=client, setup=setup)

@@ -21,11 +21,12 @@ logger = logging.getLogger(__name__)
 ROLES = ("policy", "critic", "ref")
 
 
-def make_skyrl_config(overrides: dict[str, Any] | list[str] | None = None):
+def make_skyrl_config(overrides: dict[str, Any] | list[str] | None = None, for_cpu: bool | None = None):
     """Build a typed ``SkyRLTrainConfig`` from dotted overrides, with the CPU settings forced when needed.
 
     On a machine without CUDA the CPU overrides win over the caller's: SkyRL cannot
-    run with them otherwise, and a silent wrong value would fail much later.
+    run with them otherwise, and a silent wrong value would fail much later. ``for_cpu``
+    overrides the detection (``plan`` resolves a GPU cluster's config from a laptop).
     """
     from skyrl.train.config.config import SkyRLTrainConfig
 
@@ -35,9 +36,32 @@ def make_skyrl_config(overrides: dict[str, Any] | list[str] | None = None):
         overrides = {k: v for k, v in OmegaConf.to_container(OmegaConf.from_dotlist(overrides)).items()}
         overrides = _flatten(overrides)
     merged = dict(overrides or {})
-    if not cpu.cuda_available():
+    if (not cpu.cuda_available()) if for_cpu is None else for_cpu:
         merged.update(cpu.CPU_CONFIG_OVERRIDES)
+    for key in merged:
+        _check_key(SkyRLTrainConfig, key)
     return SkyRLTrainConfig.from_cli_overrides(merged)
+
+
+def _check_key(config_cls: type, key: str) -> None:
+    """Name the whole dotted key when it is not in SkyRL's config (SkyRL names only the leaf)."""
+    import dataclasses
+    import typing
+
+    node: Any = config_cls
+    for depth, part in enumerate(key.split(".")):
+        if not dataclasses.is_dataclass(node):
+            return  # a dict-valued field (e.g. model_config_kwargs): free-form below this point
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            where = ".".join(key.split(".")[:depth]) or "the top level"
+            raise ValueError(
+                f"unknown SkyRL config key {key!r}: {where} has no field {part!r}; "
+                f"its fields are {sorted(fields)}"
+            )
+        hint = typing.get_type_hints(node).get(part)
+        candidates = [hint, *typing.get_args(hint)]
+        node = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -65,6 +89,11 @@ class SkyRLWorkers:
             raise RuntimeError("Ray is not running; call rllm_skyrl.launcher.start_ray(cfg) first.")
         if cfg.trainer.strategy != "fsdp":
             raise ValueError(f"trainer.strategy={cfg.trainer.strategy!r} is not supported; use 'fsdp'.")
+        if cfg.trainer.placement.colocate_all:
+            raise ValueError(
+                "trainer.placement.colocate_all=true is not supported yet: training and inference run on "
+                "separate devices; set skyrl.trainer.placement.colocate_all=false"
+            )
         cpu.apply()
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
 
