@@ -62,11 +62,10 @@ def bare_compute(cfg, repeats: int) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     rows = make_rows(cfg.rllm.data.train_batch_size, seed=1)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False)
-        for r in rows
-        for _ in range(cfg.training.group_size)
+    chats = [
+        [{"role": "user", "content": r["question"]}] for r in rows for _ in range(cfg.training.group_size)
     ]
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
     new_tokens = cfg.rllm.data.max_response_length
     generate, update = [], []
@@ -74,7 +73,12 @@ def bare_compute(cfg, repeats: int) -> dict[str, float]:
         start = time.perf_counter()
         with torch.no_grad():
             sequences = model.generate(
-                **inputs, max_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                **inputs,
+                max_new_tokens=new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
                 pad_token_id=tokenizer.pad_token_id,
             )
         generate.append(time.perf_counter() - start)
@@ -102,14 +106,16 @@ def main() -> None:
     bare = bare_compute(cfg, repeats=args.steps)
     bare_step = bare["generate"] + bare["update"]
     batch = cfg.rllm.data.train_batch_size * cfg.training.group_size
-    print(f"\nstep of {batch} rollouts x {cfg.rllm.data.max_response_length} tokens, mean over {args.steps} steps")
+    tokens = cfg.rllm.data.max_response_length
+    print(f"\nstep of {batch} rollouts x {tokens} tokens, mean over {args.steps} steps")
     print(f"{'stage':<18}{'stack s':>10}{'share':>8}")
     for stage in STAGES:
         print(f"{stage:<18}{stack[stage]:>10.3f}{stack[stage] / stack['step']:>8.0%}")
     other = stack["step"] - sum(stack[s] for s in STAGES)
     print(f"{'other (driver)':<18}{other:>10.3f}{other / stack['step']:>8.0%}")
     print(f"{'step':<18}{stack['step']:>10.3f}")
-    print(f"\nbare torch: generate {bare['generate']:.3f} s + update {bare['update']:.3f} s = {bare_step:.3f} s")
+    print(f"\nbare torch: generate {bare['generate']:.3f} s + update {bare['update']:.3f} s")
+    print(f"bare step: {bare_step:.3f} s")
     print(f"generate ratio (stack/bare): {stack['generate'] / bare['generate']:.2f}x")
     update = stack["forward_backward"] + stack["optim_step"]
     print(f"update ratio (stack/bare):   {update / bare['update']:.2f}x")
