@@ -32,6 +32,11 @@ OPTIONAL: dict[str, OptionalDependency] = {
             "modal", "launching runs on Modal (modal_run.py)", "pip install 'rllm-skyrl[modal]'"
         ),
         OptionalDependency(
+            "gguf",
+            "loading SmolLM2 from its GGUF file (rllm_skyrl.smollm2)",
+            "pip install 'rllm-skyrl[smollm2]'",
+        ),
+        OptionalDependency(
             "rllm",
             "training under rLLM's own trainer (rllm_skyrl.rllm_plugin)",
             "pip install 'rllm @ git+https://github.com/rllm-org/rllm.git' "
