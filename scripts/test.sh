@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Run the test suite (creates/refreshes .venv first). Extra arguments go to pytest.
-# Slow tests (learning curves on a real model) are opt-in: RLLM_SKYRL_SLOW=1.
+# Slow tests (long learning curves, the realistic SmolLM2 runs) are opt-in locally with
+# RLLM_SKYRL_SLOW=1, and always run in CI (CI=true), which has the time for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 marker="not slow"
-[ "${RLLM_SKYRL_SLOW:-0}" = "1" ] && marker=""
+if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; fi
 set +e
 python -m pytest -m "$marker" "$@"
 rc=$?
