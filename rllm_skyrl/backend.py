@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -368,7 +369,14 @@ class SkyRLBackend:
     # ------------------------------------------------------------------ hooks
 
     async def on_train_start(self, trainer_state: Any) -> None:
-        """Resume (weights, optimizer, data position, RNG) and put the resumed policy on the servers."""
+        """Resume (weights, optimizer, data position, RNG) and put the resumed policy on the servers.
+
+        With ``inference.deterministic_sampling`` every request is seeded (see ``SkyRLEngine``), so
+        a resumed run samples exactly what an uninterrupted one would have.
+        """
+        self._outer_error = sys.exc_info()[1]  # an exception fit() itself runs inside is not ours
+        if self._get("inference.deterministic_sampling", False):
+            self.rollout_engine.request_seed = int(self.skyrl_cfg.trainer.seed)
         resumed = self.checkpoints.resume(
             mode=self._get("training.resume_mode", "auto"),
             path=self._get("training.resume_from_path"),
@@ -390,13 +398,19 @@ class SkyRLBackend:
         self._updated = False
 
     async def on_batch_end(self, trainer_state: Any) -> None:
-        """Weight sync after an update (even when a later stage failed), then maybe a checkpoint."""
+        """Weight sync after an update, then a checkpoint every ``rllm.trainer.save_freq`` steps.
+
+        This hook also runs while a failed step's exception propagates (this package's driver calls
+        it from ``finally``); then nothing is published or saved: the run stops, and a resume
+        continues from the last complete checkpoint.
+        """
         metrics = self._step_metrics
         step = trainer_state.global_step
-        if self._updated:
-            self._last_trained_step = step
-            with _timed(metrics, "weight_sync"):
-                await self._sync_weights(version=step)
+        if not self._failing():
+            if self._updated:
+                with _timed(metrics, "weight_sync"):
+                    await self._sync_weights(version=step)
+            self._last_trained_step = step  # completed, updated or (empty batch) skipped
             save_freq = int(self._get("rllm.trainer.save_freq", 0) or 0)
             if save_freq > 0 and step % save_freq == 0:
                 with _timed(metrics, "save_checkpoint"):
@@ -417,14 +431,47 @@ class SkyRLBackend:
             self.rollout_engine.is_validation = False
 
     async def on_train_end(self, trainer_state: Any) -> None:
-        """Checkpoint the last trained step (unless save_freq already did); close the HTTP clients."""
+        """Checkpoint the last step (unless save_freq just did) and close the HTTP clients.
+
+        After a failure nothing is saved (the workers may be gone, the step half done); the log
+        says which checkpoint a rerun with ``training.resume_mode=auto`` continues from.
+        """
         if self.rollout_engine is not None:
             await self.rollout_engine.close()
+        if self._failing():
+            self._report_failure(trainer_state)
+            return
         step = self._last_trained_step
         if self.checkpoints is None or step is None or not self._get("rllm.trainer.save_freq", 0):
             return
         if self.checkpoints.latest_step() != step:
             self.checkpoints.save(step, trainer_state)
+
+    def _failing(self) -> bool:
+        """True while an exception raised inside fit() propagates through a hook."""
+        error = sys.exc_info()[1]
+        return error is not None and error is not getattr(self, "_outer_error", None)
+
+    def _report_failure(self, trainer_state: Any) -> None:
+        import ray.exceptions
+
+        error = sys.exc_info()[1]
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+        if isinstance(error, ray.exceptions.RayActorError):
+            cause = f"a SkyRL training worker died ({cause})"
+        try:
+            latest = self.checkpoints.latest_step() if self.checkpoints is not None else None
+        except RuntimeError:
+            latest = None
+        if latest is None:
+            where = "no checkpoint was saved, so a rerun starts from step 1"
+        else:
+            where = (
+                f"rerun with training.resume_mode=auto to continue after step {latest} "
+                f"({self.checkpoints.step_dir(latest)})"
+            )
+        logger.error("training stopped at step %s: %s; %s", trainer_state.global_step, cause, where)
 
     async def _sync_weights(self, version: int) -> None:
         from rllm_skyrl.weight_sync import sync_weights

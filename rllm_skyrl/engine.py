@@ -9,11 +9,13 @@ and training. It only ever talks to the client, so the same engine drives the CP
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
 import re
 import zlib
+from array import array
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,6 +99,12 @@ class SkyRLEngine:
     engine) switches between the train and validation sampling params. The backend bumps
     ``weight_version`` after every weight sync; outputs are stamped with the version live when
     their request started.
+
+    ``request_seed`` (None: off) gives every request its own sampling seed, derived from that base
+    seed, the weight version, train/validation, the prompt tokens and how many requests with the
+    same prompt came before it at this weight version. Sampling then depends only on what is asked
+    and when in training it is asked, not on server RNG state, so a run resumed from a checkpoint
+    samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins.
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class SkyRLEngine:
         data_clients: list[Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         sleep_level: int = 1,
+        request_seed: int | None = None,
     ):
         self.client = client
         self.data_clients = data_clients or [client]
@@ -128,6 +137,9 @@ class SkyRLEngine:
         self.chat_parser = None  # rLLM callers read this; the engine templates with the tokenizer itself
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
+        self.request_seed = request_seed
+        self._seed_counts: dict[tuple[int, bool, bytes], int] = {}
+        self._seed_version: int | None = None
 
     @classmethod
     def from_urls(cls, server_urls: list[str], tokenizer: Any, *, model_name: str = "default", **kwargs: Any):
@@ -196,12 +208,16 @@ class SkyRLEngine:
         if enforce and len(prompt) > self.max_prompt_length:
             raise termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
         params = self._sampling_params(kwargs, validate)
+        if self.request_seed is not None and params.get("seed") is None:
+            params["seed"] = self._derive_seed(prompt, validate)
         budget = params.pop("max_tokens")
         client = self._data_client(session_id)
         tokens: list[int] = []
         logprobs: list[float] | None = [] if params.get("logprobs") is not None else None
         while True:
             step_params = {**params, "max_tokens": budget - len(tokens)}
+            if tokens and params.get("seed") is not None:  # continuing after an abort: fresh numbers
+                step_params["seed"] = (params["seed"] + len(tokens)) % 2**63
             if params.get("min_tokens"):
                 still_needed = params["min_tokens"] - len(tokens)
                 step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
@@ -254,6 +270,22 @@ class SkyRLEngine:
         params.pop("n", None)
         params["max_tokens"] = min(requested or self.max_response_length, self.max_response_length)
         return params
+
+    def _derive_seed(self, prompt: list[int], validate: bool) -> int:
+        """The ``k``-th request for ``prompt`` at the current weight version gets seed number ``k``.
+
+        Repeats of one task (``rollout.n``) are issued in a fixed order by the workflow engine, so
+        each rollout index maps to the same seed in every run.
+        """
+        if self._seed_version != self.weight_version:
+            self._seed_counts.clear()
+            self._seed_version = self.weight_version
+        digest = hashlib.sha256(array("q", prompt).tobytes()).digest()
+        key = (self.weight_version, validate, digest)
+        occurrence = self._seed_counts.get(key, 0)
+        self._seed_counts[key] = occurrence + 1
+        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:{occurrence}:".encode()
+        return int.from_bytes(hashlib.sha256(material + digest).digest()[:8], "big") >> 1
 
     def _data_client(self, session_id: Any) -> Any:
         if len(self.data_clients) == 1:

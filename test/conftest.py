@@ -40,3 +40,11 @@ def ray_cluster(tmp_path_factory):
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def digits_runs(tmp_path_factory):
+    """Three real training runs (straight / killed mid-save / resumed), see training_runs.py."""
+    from training_runs import shared_digits_runs
+
+    return shared_digits_runs(tmp_path_factory.mktemp("digits_runs"))

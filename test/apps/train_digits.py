@@ -1,0 +1,76 @@
+"""A real training run for the tests: ``python test/apps/train_digits.py hydra.run.dir=DIR [overrides]``.
+
+The workflow appends one JSON line per rollout to ``$ROLLOUT_LOG`` (when set): episode id, whether
+it was a validation rollout, the weight version it sampled from, its data source, its reward and
+its response length. The tests rebuild the data order and pass@k from that record.
+The reward is 1 when the first response token id is even, so pass@1 sits near 0.5 and pass@k is
+informative even for a random model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import hydra
+from omegaconf import DictConfig
+
+from rllm_skyrl.launcher import run
+from rllm_skyrl.trainer.types import Episode, Step, TerminationReason, Trajectory
+from rllm_skyrl.trainer.workflow import Workflow, task_messages
+
+VAL_SOURCES = ("digits_a", "digits_b")
+
+
+def make_rows(num_rows: int, seed: int, prefix: str, sources: tuple[str, ...]) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {
+            "id": f"{prefix}-{i}",
+            "question": f"what is {rng.randrange(10)}?",
+            "data_source": sources[i % len(sources)],
+        }
+        for i in range(num_rows)
+    ]
+
+
+class LoggedParityWorkflow(Workflow):
+    async def run(self, task: dict, uid: str, **kwargs) -> Episode:
+        validation = bool(self.rollout_engine.is_validation)
+        output = await self.rollout_engine.get_model_response(task_messages(task), **kwargs)
+        ids = output.completion_ids
+        reward = float(bool(ids) and ids[0] % 2 == 0)
+        if os.environ.get("ROLLOUT_LOG"):
+            record = {
+                "task_id": task["id"],
+                "val": validation,
+                "version": output.weight_version,
+                "source": task["data_source"],
+                "reward": reward,
+                "tokens": len(ids),
+            }
+            with open(os.environ["ROLLOUT_LOG"], "a") as f:
+                f.write(json.dumps(record) + "\n")
+        step = Step(chat_completions=task_messages(task), reward=reward, done=True, model_output=output)
+        return Episode(
+            id=uid,
+            task=task,
+            trajectories=[Trajectory(name="agent", task=task, steps=[step], reward=reward)],
+            is_correct=reward > 0,
+            termination_reason=TerminationReason.ENV_DONE,
+        )
+
+
+@hydra.main(config_path=".", config_name="train_digits", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(
+        cfg,
+        workflow_class=LoggedParityWorkflow,
+        train_dataset=make_rows(cfg.dataset.train_rows, cfg.dataset.seed, "train", ("digits",)),
+        val_dataset=make_rows(6, cfg.dataset.seed + 1, "val", VAL_SOURCES),
+    )
+
+
+if __name__ == "__main__":
+    main()
