@@ -55,11 +55,16 @@ def _select(cfg: DictConfig, key: str, default: Any = None) -> Any:
 
 
 def resolve_model_path(path: str) -> str:
-    """``tiny`` builds the in-process tiny test model; anything else is used as given."""
+    """``tiny``: the in-process tiny test model; ``smollm2``: SmolLM2-135M-Instruct from its PyPI
+    wheel (no hub); anything else is used as given."""
     if path == "tiny":
         from rllm_skyrl.tiny_model import build_tiny_model
 
         return str(build_tiny_model())
+    if path == "smollm2":
+        from rllm_skyrl.smollm2 import smollm2_path
+
+        return str(smollm2_path())
     return path
 
 
@@ -105,6 +110,14 @@ class SkyRLBackend:
                 f"invalid SkyRL settings (skyrl.* or the rllm.* keys bridged to them): {error}"
             ) from error
 
+        sampled_at = self._get("rllm.rollout.train.temperature", 1.0)
+        scored_at = self.skyrl_cfg.trainer.algorithm.temperature
+        if abs(scored_at - sampled_at) > 1e-9:
+            raise ValueError(
+                f"skyrl.trainer.algorithm.temperature={scored_at} differs from "
+                f"rllm.rollout.train.temperature={sampled_at}: the trainer would score tokens under "
+                "another distribution than they were sampled from; set rllm.rollout.train.temperature only"
+            )
         estimator = self._get("rllm.algorithm.adv_estimator", "grpo")
         if estimator not in SUPPORTED_ESTIMATORS:
             raise ValueError(
@@ -173,7 +186,6 @@ class SkyRLBackend:
 
         from rllm_skyrl.engine import SkyRLEngine
         from rllm_skyrl.launcher import start_ray
-        from rllm_skyrl.servers import external_servers, start_cpu_servers
         from rllm_skyrl.workers import SkyRLWorkers
 
         trainer_cfg = self.skyrl_cfg.trainer
@@ -183,41 +195,60 @@ class SkyRLBackend:
         if self.uses_critic:
             trainer_cfg.critic.model.path = resolve_model_path(trainer_cfg.critic.model.path or model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if self.tokenizer.pad_token_id is None:  # rows are left-padded; any id works, masks hide it
+            logger.warning(
+                "tokenizer of %s has no pad token; padding with eos %r", model_path, self.tokenizer.eos_token
+            )
+            self.tokenizer.pad_token = self.tokenizer.eos_token
 
         total_steps = kwargs.get("total_training_steps") or 1
         optimizer_steps = self._optimizer_steps(total_steps)
         self._apply_warmup(optimizer_steps)
         self.run_dir = Path(trainer_cfg.ckpt_path)
-        self._owns_ray = start_ray(self.skyrl_cfg, log_dir=trainer_cfg.log_path)
-        self.workers = SkyRLWorkers(self.skyrl_cfg, self.tokenizer, total_training_steps=optimizer_steps)
+        try:  # a failure part-way must not leave Ray, workers or servers behind
+            self._owns_ray = start_ray(self.skyrl_cfg, log_dir=trainer_cfg.log_path)
+            self.workers = SkyRLWorkers(self.skyrl_cfg, self.tokenizer, total_training_steps=optimizer_steps)
+
+            self.servers = self._start_servers(model_path, trainer_cfg)
+            engine_args = dict(
+                max_prompt_length=int(self._get("rllm.data.max_prompt_length")),
+                max_response_length=int(self._get("rllm.data.max_response_length")),
+                train_sampling_params=_sampling(self._get("rllm.rollout.train")),
+                val_sampling_params=_sampling(self._get("rllm.rollout.val")),
+            )
+            if getattr(self.servers, "client", None) is not None:  # SkyRL built the client with its servers
+                self.rollout_engine = SkyRLEngine(self.servers.client, self.tokenizer, **engine_args)
+            else:
+                self.rollout_engine = SkyRLEngine.from_urls(self.servers.urls, self.tokenizer, **engine_args)
+            weight_sync.prepare(self.workers, self.rollout_engine)
+            self.checkpoints = CheckpointManager(
+                root=trainer_cfg.ckpt_path,
+                workers=self.workers,
+                max_to_keep=int(self._get("training.max_ckpts_to_keep", -1)),
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.rollout_engine
+
+    def _start_servers(self, model_path: str, trainer_cfg: Any):
+        """Given URLs, else SkyRL's vLLM servers on CUDA, else our transformers servers on CPU."""
+        from rllm_skyrl.compat import cpu
+        from rllm_skyrl.servers import external_servers, start_cpu_servers, start_skyrl_servers
 
         urls = self._get("inference.urls")
         if urls:
-            self.servers = external_servers(list(urls))
-        else:
-            self.servers = start_cpu_servers(
-                model_path,
-                int(self._get("inference.num_engines", 1)),
-                log_dir=Path(trainer_cfg.log_path) / "inference",
-                max_model_len=self._get("inference.max_model_len"),
-                max_batch_size=int(self._get("inference.max_batch_size", 256)),
-                seed=trainer_cfg.seed,
-            )
-        self.rollout_engine = SkyRLEngine.from_urls(
-            self.servers.urls,
-            self.tokenizer,
-            max_prompt_length=int(self._get("rllm.data.max_prompt_length")),
-            max_response_length=int(self._get("rllm.data.max_response_length")),
-            train_sampling_params=_sampling(self._get("rllm.rollout.train")),
-            val_sampling_params=_sampling(self._get("rllm.rollout.val")),
+            return external_servers(list(urls))
+        if cpu.cuda_available():
+            return start_skyrl_servers(self.skyrl_cfg, self.tokenizer)
+        return start_cpu_servers(
+            model_path,
+            int(self._get("inference.num_engines", 1)),
+            log_dir=Path(trainer_cfg.log_path) / "inference",
+            max_model_len=self._get("inference.max_model_len"),
+            max_batch_size=int(self._get("inference.max_batch_size", 256)),
+            seed=trainer_cfg.seed,
         )
-        weight_sync.prepare(self.workers, self.rollout_engine)
-        self.checkpoints = CheckpointManager(
-            root=trainer_cfg.ckpt_path,
-            workers=self.workers,
-            max_to_keep=int(self._get("training.max_ckpts_to_keep", -1)),
-        )
-        return self.rollout_engine
 
     # ------------------------------------------------------------------ rollouts
 
