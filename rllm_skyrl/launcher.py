@@ -26,11 +26,20 @@ logger = logging.getLogger(__name__)
 CPU_LOGICAL_GPUS = 8
 
 
-def runtime_env_for(skyrl_cfg, log_dir: str | None = None) -> dict:
-    """SkyRL's own worker environment variables, plus our CPU hook when CUDA is absent."""
+def runtime_env_for(skyrl_cfg, log_dir: str | None = None, local: bool = True) -> dict:
+    """SkyRL's own worker environment variables, plus our CPU hook when CUDA is absent.
+
+    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
+    writes runtime envs into its own logs. A local Ray's workers inherit this process's
+    environment anyway, so secrets are left out there; a cluster's other nodes still get them.
+    """
     from skyrl.train.utils.utils import prepare_runtime_environment
 
+    from rllm_skyrl.trainer.tracking import is_secret_key
+
     env_vars = dict(prepare_runtime_environment(skyrl_cfg))
+    if local:
+        env_vars = {key: value for key, value in env_vars.items() if not is_secret_key(key)}
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
@@ -47,7 +56,7 @@ def start_ray(skyrl_cfg, log_dir: str | None = None, num_cpus: int | None = None
     if ray.is_initialized():
         return False
     cpu.apply()
-    runtime_env = runtime_env_for(skyrl_cfg, log_dir)
+    runtime_env = runtime_env_for(skyrl_cfg, log_dir, local=not os.environ.get("RAY_ADDRESS"))
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     if os.environ.get("RAY_ADDRESS"):
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
@@ -70,6 +79,8 @@ def quiet_libraries(level: str | None = None) -> None:
     ``RLLM_SKYRL_LOG_LEVEL=INFO`` brings them back; infrastructure logs are also in the run's
     ``logs/`` directory.
     """
+    import skyrl.utils.log  # noqa: F401  (sets SkyRL's logger to DEBUG on import: import it first)
+
     level = (level or os.environ.get("RLLM_SKYRL_LOG_LEVEL") or "WARNING").upper()
     for name in ("httpx", "skyrl", "ray"):
         logging.getLogger(name).setLevel(level)

@@ -36,7 +36,7 @@ REDACTED = "<redacted>"
 _SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
 
 
-def _is_secret_key(name: str) -> bool:
+def is_secret_key(name: str) -> bool:
     """True for ``api_key``, ``HF_TOKEN``, ``clientSecret``, ``password``... but not ``max_tokens``
     or ``tokenizer``: the key is split into words and a word must be a secret word exactly."""
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
@@ -46,7 +46,7 @@ def _is_secret_key(name: str) -> bool:
 def redact(value: Any) -> Any:
     """A copy of a nested dict/list config with the values of secret-looking keys replaced."""
     if isinstance(value, Mapping):
-        return {k: REDACTED if _is_secret_key(str(k)) else redact(v) for k, v in value.items()}
+        return {k: REDACTED if is_secret_key(str(k)) else redact(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
     return value
@@ -58,12 +58,12 @@ MIN_SECRET_LENGTH = 6  # shorter values ("true", "1") are not masked wherever th
 def secret_values(config: Any = None, environ: Mapping[str, str] | None = None) -> set[str]:
     """Values to mask: secret-looking environment variables and secret-looking config keys."""
     environ = os.environ if environ is None else environ
-    found = {v for k, v in environ.items() if _is_secret_key(k) and len(v) >= MIN_SECRET_LENGTH}
+    found = {v for k, v in environ.items() if is_secret_key(k) and len(v) >= MIN_SECRET_LENGTH}
 
     def walk(value: Any, secret: bool) -> None:
         if isinstance(value, Mapping):
             for key, item in value.items():
-                walk(item, secret or _is_secret_key(str(key)))
+                walk(item, secret or is_secret_key(str(key)))
         elif isinstance(value, list | tuple):
             for item in value:
                 walk(item, secret)
@@ -104,7 +104,7 @@ class SecretMasker(logging.Filter):
         out = []
         for arg in argv:
             key, eq, _ = arg.partition("=")
-            out.append(f"{key}={REDACTED}" if eq and _is_secret_key(key.split(".")[-1]) else self.mask(arg))
+            out.append(f"{key}={REDACTED}" if eq and is_secret_key(key.split(".")[-1]) else self.mask(arg))
         return out
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -169,7 +169,7 @@ _YAML_KEY_VALUE = re.compile(r"^(\s*(?:- )?)([\w.+~-]+)(\s*[:=]\s*)(\S.*?)(\s*)$
 def _redact_yaml_line(line: str) -> str:
     """``api_key: x`` and ``- wandb.api_key=x`` (an override) keep their key, lose their value."""
     match = _YAML_KEY_VALUE.match(line.rstrip("\n"))
-    if not match or not _is_secret_key(match.group(2).lstrip("+~").split(".")[-1]):
+    if not match or not is_secret_key(match.group(2).lstrip("+~").split(".")[-1]):
         return line
     if match.group(4) in ("null", "''", '""', "???", "{}", "[]"):
         return line
