@@ -30,15 +30,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import advantages as adv
-from rllm_skyrl import config_bridge, losses, weight_sync
+from rllm_skyrl import weight_sync
+from rllm_skyrl.backend_config import as_dict, check_config
 from rllm_skyrl.checkpoint import CheckpointManager
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.metrics import logprob_gap_metrics, worker_metrics
+from rllm_skyrl.models import ModelRegistry
 
 logger = logging.getLogger(__name__)
-
-OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline")
-SUPPORTED_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
 
 
 @contextmanager
@@ -85,6 +84,7 @@ class SkyRLBackend:
         self.tokenizer = None
         self.skyrl_cfg = None
         self.workers = None
+        self.models: ModelRegistry | None = None  # model ids "policy" / "critic" over self.workers
         self.servers = None
         self.checkpoints: CheckpointManager | None = None
         self._owns_ray = False
@@ -99,67 +99,11 @@ class SkyRLBackend:
 
     def validate_config(self) -> None:
         """Every check that needs no Ray, no model and no server; errors name the key to change."""
-        from rllm_skyrl.workers import make_skyrl_config
-
-        if OmegaConf.is_missing(self.config, "model.path") or not self._get("model.path"):
-            raise ValueError("model.path is not set; pass model.path=<HF model dir> (or model.path=tiny)")
-        try:
-            self.skyrl_cfg = make_skyrl_config(config_bridge.skyrl_overrides(self.config, self.cli_overrides))
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"invalid SkyRL settings (skyrl.* or the rllm.* keys bridged to them): {error}"
-            ) from error
-
-        sampled_at = self._get("rllm.rollout.train.temperature", 1.0)
-        scored_at = self.skyrl_cfg.trainer.algorithm.temperature
-        if abs(scored_at - sampled_at) > 1e-9:
-            raise ValueError(
-                f"skyrl.trainer.algorithm.temperature={scored_at} differs from "
-                f"rllm.rollout.train.temperature={sampled_at}: the trainer would score tokens under "
-                "another distribution than they were sampled from; set rllm.rollout.train.temperature only"
-            )
-        estimator = self._get("rllm.algorithm.adv_estimator", "grpo")
-        if estimator not in SUPPORTED_ESTIMATORS:
-            raise ValueError(
-                f"rllm.algorithm.adv_estimator={estimator!r}: choose one of {SUPPORTED_ESTIMATORS}"
-            )
-        for role, role_estimator in (self._get("rllm.algorithm.estimator_map") or {}).items():
-            if role_estimator not in OUTCOME_ESTIMATORS:
-                raise ValueError(
-                    f"rllm.algorithm.estimator_map.{role}={role_estimator!r}: "
-                    f"choose one of {OUTCOME_ESTIMATORS}"
-                )
-        self.policy_loss = losses.resolve_loss(
-            "policy", self._get("rllm.algorithm.loss_fn") or "ppo", self._get("training.loss_fn_config")
-        )
-        if not self.policy_loss.uses_advantages and self.policy_loss.loss_fn != "cross_entropy":
-            raise ValueError(f"rllm.algorithm.loss_fn={self.policy_loss.loss_fn!r} cannot train from rewards")
-        self.critic_loss = losses.resolve_loss(
-            "critic", "ppo_critic", self._get("training.critic_loss_fn_config")
-        )
-        self.loss_reduction = self._get("rllm.algorithm.loss_agg_mode") or "token_mean"
-        if self.loss_reduction.replace("-", "_") not in adv.LOSS_REDUCTIONS:
-            raise ValueError(
-                f"rllm.algorithm.loss_agg_mode={self.loss_reduction!r}: "
-                f"choose one of {list(adv.LOSS_REDUCTIONS)}"
-            )
-        if self._get("rllm.algorithm.rollout_correction.tis_mode"):
-            raise ValueError(
-                "rllm.algorithm.rollout_correction.tis_mode is not supported by the SkyRL backend yet"
-            )
-        if self._get("rllm.rollout.n", 1) < 1:
-            raise ValueError("rllm.rollout.n must be >= 1")
-        if estimator in ("grpo", "rloo") and self._get("rllm.rollout.n", 1) < 2:
-            raise ValueError(
-                f"adv_estimator={estimator} compares rollouts of one task: set rllm.rollout.n >= 2"
-            )
-        resume_mode = self._get("training.resume_mode", "auto")
-        if resume_mode not in ("auto", "disable", "resume_path"):
-            raise ValueError(f"training.resume_mode={resume_mode!r}: choose auto, disable or resume_path")
-        if resume_mode == "resume_path" and not self._get("training.resume_from_path"):
-            raise ValueError(
-                "training.resume_mode=resume_path needs training.resume_from_path=<global_step_N dir>"
-            )
+        checked = check_config(self.config, self.cli_overrides)
+        self.skyrl_cfg = checked.skyrl_cfg
+        self.policy_loss = checked.policy_loss
+        self.critic_loss = checked.critic_loss
+        self.loss_reduction = checked.loss_reduction
 
     @property
     def uses_critic(self) -> bool:
@@ -208,6 +152,10 @@ class SkyRLBackend:
         try:  # a failure part-way must not leave Ray, workers or servers behind
             self._owns_ray = start_ray(self.skyrl_cfg, log_dir=trainer_cfg.log_path)
             self.workers = SkyRLWorkers(self.skyrl_cfg, self.tokenizer, total_training_steps=optimizer_steps)
+            self.models = ModelRegistry(self.workers)
+            self.models.create_model("policy")
+            if self.uses_critic:
+                self.models.create_model("critic", model_role="critic")
 
             self.servers = self._start_servers(model_path, trainer_cfg)
             engine_args = dict(
@@ -359,17 +307,20 @@ class SkyRLBackend:
         plan = boundaries * epochs
         dp = self.workers.dp_size("policy")
         roles = ["policy"] + (["critic"] if self.uses_critic else [])
-        if self.uses_critic:
-            self.workers.set_algorithm_config("critic", **self.critic_loss.skyrl_config)
+        losses = {
+            "policy": (self.policy_loss.loss_fn, as_dict(self._get("training.loss_fn_config"))),
+            "critic": (self.critic_loss.loss_fn, as_dict(self._get("training.critic_loss_fn_config"))),
+        }
         for index, (start, end) in enumerate(plan):
             minibatch = _padded_slice(batch, start, end, dp)
-            for role in roles:
-                kwargs = self.policy_loss.dispatch_kwargs() if role == "policy" else {}
-                with _timed(metrics, f"forward_backward_{role}" if role != "policy" else "forward_backward"):
-                    output = self.workers.forward_backward(role, minibatch, **kwargs)
+            for role in roles:  # model ids are the role names
+                loss_fn, loss_fn_config = losses[role]
+                with _timed(metrics, "forward_backward" if role == "policy" else f"forward_backward_{role}"):
+                    output = self.models.forward_backward(role, minibatch, loss_fn, loss_fn_config)
                 metrics.update(worker_metrics(role, output.metrics))
                 if role == "policy" and index == 0:
-                    metrics.update(logprob_gap_metrics(minibatch, output.loss_fn_outputs))
+                    rows = [{"logprobs": row["logprobs"]["data"]} for row in output.loss_fn_outputs]
+                    metrics.update(logprob_gap_metrics(minibatch, rows))
             if index < len(plan) - 1:
                 self._optim_step(roles)
         self._updated = True
@@ -378,7 +329,7 @@ class SkyRLBackend:
         metrics = self._step_metrics
         with _timed(metrics, "optim_step"):
             for role in roles:
-                grad_norm = self.workers.optim_step(role)
+                grad_norm = self.models.optim_step(role)
                 if grad_norm is not None:
                     prefix = "train" if role == "policy" else role
                     metrics[f"{prefix}/grad_norm"] = float(grad_norm)
@@ -517,6 +468,7 @@ class SkyRLBackend:
         if self.servers is not None:
             self.servers.stop()
             self.servers = None
+        self.models = None
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
@@ -535,10 +487,7 @@ _EMPTY = _EmptyBatch()
 
 
 def _sampling(section: Any) -> dict[str, Any]:
-    params = (
-        OmegaConf.to_container(section, resolve=True) if OmegaConf.is_config(section) else dict(section or {})
-    )
-    return {key: value for key, value in params.items() if value is not None}
+    return {key: value for key, value in (as_dict(section) or {}).items() if value is not None}
 
 
 def _stack(outputs: list[dict[str, Any]], key: str) -> torch.Tensor:
