@@ -104,42 +104,20 @@ class SkyRLWorkers:
         use_ref = algo.use_kl_loss or algo.use_kl_in_reward
         use_critic = bool(cfg.trainer.critic.model.path)
 
-        def group(role: str, worker_cls, nodes: int, gpus: int, sp: int) -> PPORayActorGroup:
-            return PPORayActorGroup(
-                cfg.trainer,
-                nodes,
-                gpus,
-                worker_cls,
-                pg=None,
-                num_gpus_per_actor=1,
-                colocate_all=False,
-                sequence_parallel_size=sp,
-            )
-
+        worker_classes = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
+        roles = ["policy"] + (["critic"] if use_critic else []) + (["ref"] if use_ref else [])
         self._groups: dict[str, PPORayActorGroup] = {}
         try:
-            self._groups["policy"] = group(
-                "policy",
-                PolicyWorker,
-                placement.policy_num_nodes,
-                placement.policy_num_gpus_per_node,
-                cfg.trainer.policy.sequence_parallel_size,
-            )
-            if use_critic:
-                self._groups["critic"] = group(
-                    "critic",
-                    CriticWorker,
-                    placement.critic_num_nodes,
-                    placement.critic_num_gpus_per_node,
-                    cfg.trainer.critic.sequence_parallel_size,
-                )
-            if use_ref:
-                self._groups["ref"] = group(
-                    "ref",
-                    RefWorker,
-                    placement.ref_num_nodes,
-                    placement.ref_num_gpus_per_node,
-                    cfg.trainer.ref.sequence_parallel_size,
+            for role in roles:
+                self._groups[role] = PPORayActorGroup(
+                    cfg.trainer,
+                    getattr(placement, f"{role}_num_nodes"),
+                    getattr(placement, f"{role}_num_gpus_per_node"),
+                    worker_classes[role],
+                    pg=None,
+                    num_gpus_per_actor=1,
+                    colocate_all=False,
+                    sequence_parallel_size=getattr(cfg.trainer, role).sequence_parallel_size,
                 )
             self._init_models(total_training_steps)
         except BaseException:
