@@ -5,7 +5,7 @@ the inference server over HTTP, weight sync), then times the same work in plain 
 process: ``model.generate`` for the rollouts and one forward/backward/AdamW step on the same
 sequences. Prints the per-stage breakdown and the ratio stack / bare.
 
-    python bench/bench_step.py [--steps 20] [--warmup 3]
+    python -m bench.bench_step [--steps 20] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rllm_skyrl.trainer.tracking import read_metrics
 from rllm_skyrl.trainer.workflow import SingleTurnWorkflow
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
-STAGES = ("generate", "transform", "forward_backward", "optim_step", "weight_sync")
+STAGES = ("generate", "transform", "forward_backward", "optim_step", "weight_sync", "save_checkpoint")
 
 
 def stack_breakdown(steps: int, warmup: int, out: Path) -> tuple[dict[str, float], dict]:

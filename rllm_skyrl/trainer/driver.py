@@ -227,11 +227,11 @@ class UnifiedTrainer:
     async def _train_step(self, batch: list[dict[str, Any]], state: TrainerState) -> None:
         state.reset_batch()
         await self.backend.on_batch_start(state)
-        try:
-            with _timed("step", state.timing_dict):
+        with _timed("step", state.timing_dict):  # the whole step, weight sync and checkpoint included
+            try:
                 await self._train_batch(batch, state)
-        finally:
-            await self.backend.on_batch_end(state)  # weight sync / checkpoint even after a failed step
+            finally:
+                await self.backend.on_batch_end(state)  # weight sync / checkpoint even after a failed step
 
         metrics = state.metrics
         for name, seconds in state.timing_dict.items():
