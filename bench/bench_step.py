@@ -21,9 +21,9 @@ from hydra import compose, initialize_config_dir
 
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
 from rllm_skyrl.tiny_model import build_tiny_model
-from rllm_skyrl.trainer.tracking import read_metrics
-from rllm_skyrl.trainer.workflow import SingleTurnWorkflow
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
 STAGES = ("generate", "transform", "forward_backward", "optim_step", "weight_sync", "save_checkpoint")

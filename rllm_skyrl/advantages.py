@@ -29,7 +29,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 from skyrl.train.dataset.preprocess import compute_prompt_boundaries
 
-from rllm_skyrl.data_adapter import group_role, trajectory_reward
+from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
 
 ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline")
 

@@ -245,3 +245,25 @@ class CheckpointManager:
         seconds = time.perf_counter() - start
         logger.info("resumed from %s (step %d) in %.2f s", directory, state["global_step"], seconds)
         return state["global_step"]
+
+
+def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:
+    """One line for a run that stopped: what failed, and which checkpoint a rerun continues from."""
+    import ray.exceptions
+
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    if isinstance(error, ray.exceptions.RayActorError):
+        cause = f"a SkyRL training worker died ({cause})"
+    try:
+        latest = checkpoints.latest_step() if checkpoints is not None else None
+    except RuntimeError:
+        latest = None
+    if latest is None:
+        where = "no checkpoint was saved, so a rerun starts from step 1"
+    else:
+        where = (
+            f"rerun with training.resume_mode=auto to continue after step {latest} "
+            f"({checkpoints.step_dir(latest)})"
+        )
+    return f"training stopped at step {step}: {cause}; {where}"

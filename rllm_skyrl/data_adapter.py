@@ -1,7 +1,7 @@
 """Trajectory groups (and SFT pairs) -> SkyRL ``TrainingInputBatch``: where episodes become tensors.
 
 Pure data processing: no Ray, no network, no files. Inputs are read by attribute, so rLLM's
-pydantic types and ``rllm_skyrl.trainer.types`` both work:
+pydantic types and ``rllm_skyrl.types`` both work:
 ``TrajectoryGroup(trajectories, group_id="task:role", metadata=[{task_id, rollout_idx}, ...])``,
 ``Trajectory(uid, name=role, steps, reward)``,
 ``Step(prompt_ids, response_ids, logprobs, reward, advantage, metadata)``.
@@ -27,29 +27,24 @@ which is Tinker's convention; a backend that wants a proximal policy overwrites 
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-import torch
-from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch, pad_training_input_batch
+from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-PAD_ROW_ID = "<pad>"
-
-
-class MalformedTrajectoryError(ValueError):
-    """A trajectory that cannot become a training row; names the item, the field and the fix."""
-
-    def __init__(self, label: str, step_index: int | None, field_name: str, problem: str, remedy: str):
-        where = label if step_index is None else f"{label} step {step_index}"
-        super().__init__(f"{where}: {problem}; {remedy}")
-        self.label = label
-        self.step_index = step_index
-        self.field_name = field_name
+from rllm_skyrl.batch_layout import pad_to_multiple, right_aligned
+from rllm_skyrl.trajectory_checks import (
+    MalformedTrajectoryError,
+    check_tokens,
+    check_trajectory,
+    step_fields,
+    token_ids,
+    trajectory_label,
+    trajectory_reward,
+)
 
 
 class EmptyBatchError(ValueError):
@@ -175,104 +170,6 @@ class _Row:
         return f"{self.label} {self.step_span}"
 
 
-def group_role(group: Any) -> str:
-    """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role`` defines it."""
-    role = getattr(group, "group_role", None)
-    if role:
-        return role
-    return group.group_id.rpartition(":")[2] or "all_groups"
-
-
-def trajectory_reward(trajectory: Any) -> float | None:
-    """The outcome reward; rLLM falls back to the last step's reward when the trajectory has none."""
-    if trajectory.reward is not None:
-        return float(trajectory.reward)
-    steps = trajectory.steps or []
-    return float(steps[-1].reward) if steps and steps[-1].reward is not None else None
-
-
-def trajectory_label(group: Any, traj_index: int) -> str:
-    """A name a person can find in their logs: the episode id when the group carries it."""
-    trajectory = group.trajectories[traj_index]
-    metadata = list(getattr(group, "metadata", None) or [])
-    meta = (
-        metadata[traj_index] if traj_index < len(metadata) and isinstance(metadata[traj_index], dict) else {}
-    )
-    if meta.get("task_id") is not None and meta.get("rollout_idx") is not None:
-        ident = f"episode '{meta['task_id']}:{meta['rollout_idx']}'"
-    elif getattr(trajectory, "uid", None):
-        ident = f"trajectory '{trajectory.uid}'"
-    else:
-        ident = f"trajectory #{traj_index} of group '{group.group_id}'"
-    return f"{ident} (role '{getattr(trajectory, 'name', None)}')"
-
-
-def _token_ids(ids: Any) -> list[int]:
-    return [int(t) for t in (ids if ids is not None else [])]
-
-
-def _check_tokens(label: str, index: int | None, name: str, ids: list[int], vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            name,
-            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-            "the sampler returned an id the trainer's model cannot embed; check that both use the same model",
-        )
-
-
-def _step_logprobs(label: str, index: int, step: Any, n_response: int) -> list[float]:
-    logprobs = [float(x) for x in (step.logprobs if step.logprobs is not None else [])]
-    if len(logprobs) != n_response:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "logprobs",
-            f"{len(logprobs)} logprobs for {n_response} response tokens",
-            "the rollout engine must return one logprob per sampled token",
-        )
-    if not all(math.isfinite(x) for x in logprobs):
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "logprobs",
-            "logprobs contain NaN or inf",
-            "the rollout engine returned a broken logprob",
-        )
-    return logprobs
-
-
-def _step_advantages(label: str, index: int, step: Any, n_response: int, scalar: float | None) -> list[float]:
-    """Per-token advantages of one step: the trajectory's scalar, or the step's own (precomputed)."""
-    value = scalar if scalar is not None else step.advantage
-    if value is None:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "advantage",
-            "step.advantage is None",
-            "with use_precomputed_advantages every step needs a float or one value per response token",
-        )
-    values = [float(value)] * n_response if isinstance(value, numbers.Real) else [float(v) for v in value]
-    if len(values) != n_response:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "advantage",
-            f"{len(values)} advantages for {n_response} response tokens",
-            "a per-token step.advantage must have one value per response token",
-        )
-    if not all(math.isfinite(v) for v in values):
-        raise MalformedTrajectoryError(
-            label, index, "advantage", "advantage is NaN or inf", "check the advantage estimator's inputs"
-        )
-    return values
-
-
 def _lineages(steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
     """Steps split by ``metadata["lineage_id"]`` in first-seen order; untagged steps share one lineage."""
     by_lineage: dict[Any, list[tuple[int, Any]]] = {}
@@ -282,68 +179,18 @@ def _lineages(steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
     return list(by_lineage.values())
 
 
-def _check_trajectory(trajectory: Any, label: str, config: BatchConfig, advantage: float | None) -> None:
-    """Trajectory-level checks: role, steps, outcome reward, scalar advantage."""
-    role = getattr(trajectory, "name", None)
-    if config.allowed_roles is not None and role not in config.allowed_roles:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "name",
-            f"unknown role {role!r} (configured roles: {sorted(config.allowed_roles)})",
-            "name the trajectory after a configured role, or add its role to the config",
-        )
-    if not trajectory.steps:
-        raise MalformedTrajectoryError(label, None, "steps", "no steps", "a trajectory needs a model call")
-    reward = trajectory_reward(trajectory)
-    if reward is None and not config.use_precomputed_advantages:
-        raise MalformedTrajectoryError(
-            label, None, "reward", "reward is None", "set Trajectory.reward (or the last step's reward)"
-        )
-    if reward is not None and not math.isfinite(reward):
-        raise MalformedTrajectoryError(
-            label, None, "reward", f"reward is {reward}", "the reward function must return a finite number"
-        )
-    if advantage is not None and not math.isfinite(advantage):
-        raise MalformedTrajectoryError(
-            label, None, "advantage", f"advantage is {advantage}", "check the advantage estimator's inputs"
-        )
-
-
-def _step_fields(
-    label: str, index: int, step: Any, config: BatchConfig, advantage: float | None, needs_advantages: bool
-) -> tuple[list[int], list[int], list[float], list[float]]:
-    """One step's checked ``(prompt_ids, response_ids, logprobs, advantages)``."""
-    prompt_ids, response_ids = _token_ids(step.prompt_ids), _token_ids(step.response_ids)
-    if not response_ids:
-        raise MalformedTrajectoryError(
-            label, index, "response_ids", "empty response", "drop steps where the model produced no tokens"
-        )
-    _check_tokens(label, index, "prompt_ids", prompt_ids, config.vocab_size)
-    _check_tokens(label, index, "response_ids", response_ids, config.vocab_size)
-    logprobs = _step_logprobs(label, index, step, len(response_ids))
-    if not needs_advantages:
-        return prompt_ids, response_ids, logprobs, [0.0] * len(response_ids)
-    return (
-        prompt_ids,
-        response_ids,
-        logprobs,
-        _step_advantages(label, index, step, len(response_ids), advantage),
-    )
-
-
 def _trajectory_rows(
     group: Any, traj_index: int, config: BatchConfig, advantage: float | None, needs_advantages: bool
 ) -> list[_Row]:
     """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``."""
     trajectory = group.trajectories[traj_index]
     label = trajectory_label(group, traj_index)
-    _check_trajectory(trajectory, label, config, advantage)
+    check_trajectory(trajectory, label, config, advantage)
     rows: list[_Row] = []
     for lineage in _lineages(trajectory.steps):
         row: _Row | None = None
         for index, step in lineage:
-            prompt_ids, response_ids, logprobs, advantages = _step_fields(
+            prompt_ids, response_ids, logprobs, advantages = step_fields(
                 label, index, step, config, advantage, needs_advantages
             )
             if row is not None and row.extended_by(prompt_ids):
@@ -367,23 +214,6 @@ def _trajectory_rows(
                     "raise max_seq_len or cap the rollout's prompt and response lengths",
                 )
     return rows
-
-
-def _right_aligned(values_per_row: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """``[B, width]`` float tensor with each row's values in its last positions (SkyRL's layout)."""
-    out_BT = torch.zeros(len(values_per_row), width, dtype=torch.float32)
-    for i, values in enumerate(values_per_row):
-        if values:
-            out_BT[i, width - len(values) :] = torch.tensor(values, dtype=torch.float32)
-    return out_BT
-
-
-def _pad_to_multiple(batch: TrainingInputBatch, dp_size: int) -> TrainingInputBatch:
-    """Pad with SkyRL's own helper so every DP rank gets the same number of rows."""
-    pad_size = (-batch.batch_size) % dp_size
-    padded = pad_training_input_batch(batch, pad_size)
-    padded.metadata["row_ids"] = list(batch.metadata["row_ids"]) + [PAD_ROW_ID] * pad_size
-    return padded
 
 
 def trajectory_groups_to_batch(
@@ -466,14 +296,14 @@ def trajectory_groups_to_batch(
         "action_log_probs": logprobs_BT.clone(),
     }
     if needs_advantages:
-        fields["advantages"] = _right_aligned([row.advantages for row in rows], response_mask.shape[1])
+        fields["advantages"] = right_aligned([row.advantages for row in rows], response_mask.shape[1])
     batch = TrainingInputBatch(fields)
     batch.metadata = {
         "uids": [row.group_id for row in rows],
         "row_ids": [row.row_id for row in rows],
         "response_length": response_mask.shape[1],
     }
-    batch = _pad_to_multiple(batch, config.dp_size)
+    batch = pad_to_multiple(batch, config.dp_size)
     stats = BatchStats(
         num_pad_rows=batch.metadata["pad_size"],
         dropped_malformed=len(drop_reasons),
@@ -507,7 +337,7 @@ def sft_examples_to_batch(
         raise EmptyBatchError("no SFT examples")
     prompts, responses = [], []
     for i, (prompt, response) in enumerate(examples):
-        prompt_ids, response_ids = _token_ids(prompt), _token_ids(response)
+        prompt_ids, response_ids = token_ids(prompt), token_ids(response)
         label = f"SFT example {i}"
         if not prompt_ids or not response_ids:
             empty = "prompt_ids" if not prompt_ids else "response_ids"
@@ -522,8 +352,8 @@ def sft_examples_to_batch(
                 f"{len(prompt_ids) + len(response_ids)} tokens, more than max_seq_len={max_seq_len}",
                 "truncate the example or raise max_seq_len",
             )
-        _check_tokens(label, None, "prompt_ids", prompt_ids, vocab_size)
-        _check_tokens(label, None, "response_ids", response_ids, vocab_size)
+        check_tokens(label, None, "prompt_ids", prompt_ids, vocab_size)
+        check_tokens(label, None, "response_ids", response_ids, vocab_size)
         prompts.append(prompt_ids)
         responses.append(response_ids)
     loss_masks = [[1] * len(r) for r in responses]
@@ -547,4 +377,4 @@ def sft_examples_to_batch(
         "row_ids": [f"SFT example {i}" for i in range(len(prompts))],
         "response_length": response_mask.shape[1],
     }
-    return _pad_to_multiple(batch, dp_size)
+    return pad_to_multiple(batch, dp_size)

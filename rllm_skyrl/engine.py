@@ -19,7 +19,7 @@ from array import array
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rllm_skyrl.trainer.types import ModelOutput, TerminationEvent
+from rllm_skyrl.types import ModelOutput, TerminationEvent
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +161,20 @@ class SkyRLEngine:
         control = make(server_urls[0], list(server_urls))
         data = [make(url, [url]) for url in server_urls] if len(server_urls) > 1 else None
         return cls(control, tokenizer, data_clients=data, **kwargs)
+
+    @classmethod
+    def for_servers(cls, servers: Any, tokenizer: Any, run: Any) -> SkyRLEngine:
+        """The engine a run samples from: SkyRL's own client when SkyRL started the servers, else
+        clients over their URLs; lengths and sampling params from the ``RunConfig``."""
+        engine_args = dict(
+            max_prompt_length=run.max_prompt_length,
+            max_response_length=run.max_response_length,
+            train_sampling_params=dict(run.train_sampling),
+            val_sampling_params=dict(run.val_sampling),
+        )
+        if getattr(servers, "client", None) is not None:
+            return cls(servers.client, tokenizer, **engine_args)
+        return cls.from_urls(servers.urls, tokenizer, **engine_args)
 
     @property
     def supports_token_in_token_out(self) -> bool:

@@ -1,9 +1,7 @@
-"""Ray bring-up: start a local Ray, or join an existing cluster, exactly once per process.
+"""The run entry: train with the SkyRL backend, print a summary; ``rllm-skyrl plan`` for clusters.
 
-SkyRL's workers are Ray actors that ask for GPUs. On a machine without CUDA we
-start Ray with *logical* GPUs (a scheduling token, nothing more) so the same
-placement code runs, and register the CPU patches as a worker setup hook so
-every actor process applies them before importing SkyRL's workers.
+Bring-up and shutdown of Ray, workers and servers belong to ``runtime``; what is resolved from the
+config belongs to ``run_config``. This module only wires a Hydra app to the trainer.
 """
 
 from __future__ import annotations
@@ -12,65 +10,9 @@ import importlib
 import logging
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 
-import ray
-
-from rllm_skyrl.compat import cpu
-
 logger = logging.getLogger(__name__)
-
-# Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at
-# data-parallel size 2 each. They only gate scheduling; nothing runs on them.
-CPU_LOGICAL_GPUS = 8
-
-
-def runtime_env_for(skyrl_cfg, log_dir: str | None = None, local: bool = True) -> dict:
-    """SkyRL's own worker environment variables, plus our CPU hook when CUDA is absent.
-
-    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
-    writes runtime envs into its own logs. A local Ray's workers inherit this process's
-    environment anyway, so secrets are left out there; a cluster's other nodes still get them.
-    """
-    from skyrl.train.utils.utils import prepare_runtime_environment
-
-    from rllm_skyrl.trainer.tracking import is_secret_key
-
-    env_vars = dict(prepare_runtime_environment(skyrl_cfg))
-    if local:
-        env_vars = {key: value for key, value in env_vars.items() if not is_secret_key(key)}
-    if log_dir is not None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
-        os.environ["SKYRL_LOG_FILE"] = log_file
-        env_vars["SKYRL_LOG_FILE"] = log_file
-    return {"env_vars": env_vars, **cpu.ray_runtime_env()}
-
-
-def start_ray(skyrl_cfg, log_dir: str | None = None, num_cpus: int | None = None) -> bool:
-    """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
-
-    With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started.
-    """
-    if ray.is_initialized():
-        return False
-    cpu.apply()
-    runtime_env = runtime_env_for(skyrl_cfg, log_dir, local=not os.environ.get("RAY_ADDRESS"))
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
-    if os.environ.get("RAY_ADDRESS"):
-        logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
-    else:
-        resources: dict = {}
-        if not cpu.cuda_available():
-            resources = {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
-        ray.init(runtime_env=runtime_env, log_to_driver=False, include_dashboard=False, **resources)
-
-    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
-
-    sync_registries()
-    return True
 
 
 def quiet_libraries(level: str | None = None) -> None:
@@ -117,8 +59,8 @@ def run(
     rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``.
     """
     from rllm_skyrl.backend import SkyRLBackend
-    from rllm_skyrl.trainer import UnifiedTrainer
-    from rllm_skyrl.trainer.tracking import read_metrics
+    from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.standalone import UnifiedTrainer
 
     quiet_libraries()
     trainer = UnifiedTrainer(
@@ -161,11 +103,10 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
     """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
     from hydra import compose, initialize_config_dir, initialize_config_module
-    from omegaconf import OmegaConf
     from skyrl.train.config.config import get_config_as_yaml_str
 
-    from rllm_skyrl.config_bridge import skyrl_overrides
-    from rllm_skyrl.workers import make_skyrl_config
+    from rllm_skyrl.platform import Platform
+    from rllm_skyrl.run_config import resolve_run_config
 
     init = (
         initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
@@ -174,16 +115,14 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
     )
     with init:
         cfg = compose(config_name, overrides=overrides)
-    skyrl_cfg = make_skyrl_config(skyrl_overrides(cfg, overrides), for_cpu=False)
-    trainer = skyrl_cfg.trainer
-    placement = trainer.placement
-    roles = [("policy", placement.policy_num_nodes, placement.policy_num_gpus_per_node)]
-    if trainer.critic.model.path:
-        roles.append(("critic", placement.critic_num_nodes, placement.critic_num_gpus_per_node))
-    if trainer.algorithm.use_kl_loss or trainer.algorithm.use_kl_in_reward:
-        roles.append(("ref", placement.ref_num_nodes, placement.ref_num_gpus_per_node))
-    urls = OmegaConf.select(cfg, "inference.urls")
-    engines = len(urls) if urls else int(OmegaConf.select(cfg, "inference.num_engines", default=1))
+    run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
+    placement = run.skyrl.trainer.placement
+    roles = [
+        (role, getattr(placement, f"{role}_num_nodes"), getattr(placement, f"{role}_num_gpus_per_node"))
+        for role in run.roles
+    ]
+    urls = run.inference.urls
+    engines = len(urls) if urls else run.inference.num_engines
     lines = ["# placement"]
     lines += [
         f"{role}: {nodes} node(s) x {gpus} GPU(s) = {nodes * gpus} training GPU(s)"
@@ -198,7 +137,7 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
     )
     total = sum(nodes * gpus for _, nodes, gpus in roles)
     lines.append(f"total training GPUs: {total}")
-    return "\n".join(lines) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(skyrl_cfg)
+    return "\n".join(lines) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)
 
 
 def main(argv: list[str] | None = None) -> None:

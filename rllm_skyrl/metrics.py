@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+# Sampler-vs-trainer and policy-vs-reference KL, in the order dashboards and plots prefer them.
+KL_KEYS = ("train/kl", "train/kl_sample_train_v1", "train/kl_sample_train_v2", "policy/kl")
 _POLICY_NAMES = {
     "final_loss": "train/loss",
     "policy_loss": "train/policy_loss",

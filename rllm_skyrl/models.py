@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch, pad_training_input_batch
+from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.tinker.types import ForwardBackwardOutput
 
+from rllm_skyrl.batch_layout import last_tokens, pad_to_multiple, real_rows, right_aligned
 from rllm_skyrl.losses import CRITIC, POLICY, POLICY_LOSS_NAMES, ResolvedLoss, resolve_loss
 
 BASE_MODEL_ID = ""
@@ -73,15 +74,6 @@ def tensor_data(values: Sequence[float]) -> dict[str, Any]:
     """Tinker's ``TensorData`` layout for a 1-D float array."""
     data = [float(v) for v in values]
     return {"data": data, "dtype": "float32", "shape": [len(data)]}
-
-
-def right_aligned(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """Per-row arrays (each a row's response tokens) -> ``[B, width]`` in SkyRL's right-aligned layout."""
-    out_BT = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        if len(row):
-            out_BT[i, width - len(row) :] = torch.as_tensor(row, dtype=torch.float32)
-    return out_BT
 
 
 class ModelRegistry:
@@ -155,14 +147,27 @@ class ModelRegistry:
     # ------------------------------------------------------------------ training calls
 
     def _resolve(
-        self, model_id: str, loss_fn: str | None, loss_fn_config: Mapping[str, Any] | None, training: bool
+        self,
+        model_id: str,
+        loss_fn: str | ResolvedLoss | None,
+        loss_fn_config: Mapping[str, Any] | None,
+        training: bool,
     ) -> tuple[TrainingModel, ResolvedLoss | None]:
         """The role check and name mapping shared by ``forward`` and ``forward_backward``.
 
         No loss name means: the critic's own loss, a plain forward for the policy, and an error
-        for a policy update (it must say what it optimises).
+        for a policy update (it must say what it optimises). A loss the run config already
+        resolved (``ResolvedLoss``) is only checked against the model's role.
         """
         model = self.get(model_id)
+        if isinstance(loss_fn, ResolvedLoss):
+            if loss_fn_config:
+                raise ValueError("loss_fn_config was given with an already resolved loss")
+            if loss_fn.role != model.role:
+                raise ValueError(
+                    f"loss {loss_fn.loss_fn!r} was resolved for the {loss_fn.role}, not the {model.role}"
+                )
+            return model, loss_fn
         if loss_fn is None and model.role == CRITIC:
             loss_fn = "ppo_critic"
         if loss_fn is None:
@@ -180,7 +185,7 @@ class ModelRegistry:
         self,
         model_id: str,
         batch: TrainingInputBatch,
-        loss_fn: str | None = None,
+        loss_fn: str | ResolvedLoss | None = None,
         loss_fn_config: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardOutput:
         """Forward without an update: per-row logprobs (or values), plus the loss when one is named."""
@@ -199,7 +204,7 @@ class ModelRegistry:
         self,
         model_id: str,
         batch: TrainingInputBatch,
-        loss_fn: str | None = None,
+        loss_fn: str | ResolvedLoss | None = None,
         loss_fn_config: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardOutput:
         """Accumulate gradients of the named loss; ``optim_step`` applies them.
@@ -259,14 +264,8 @@ class ModelRegistry:
             self._critic_value_clip_on_workers = value_clip
 
     def _padded(self, batch: TrainingInputBatch, role: str) -> tuple[TrainingInputBatch, int]:
-        """The batch padded to a multiple of the role's DP size, and how many rows are real.
-
-        Rows a caller already padded (``metadata["pad_size"]``, as ``data_adapter`` writes) are not
-        real either. New pad rows are SkyRL's (copies of row 0 with ``loss_mask`` 0).
-        """
-        n_real = batch.batch_size - int((batch.metadata or {}).get("pad_size", 0))
-        extra = (-batch.batch_size) % self.workers.dp_size(role)
-        return (pad_training_input_batch(batch, extra) if extra else batch), n_real
+        """The batch padded to a multiple of the role's DP size, and how many rows are real."""
+        return pad_to_multiple(batch, self.workers.dp_size(role)), real_rows(batch)
 
     def _policy_output(self, out, resolved: ResolvedLoss, batch: TrainingInputBatch, n_real: int):
         """Worker output of a policy loss -> Tinker rows, with ``elementwise_loss`` for RL losses."""
@@ -327,16 +326,10 @@ def _tinker_output(
     """Trim every array to its row's response tokens and wrap it as Tinker ``TensorData``."""
     lengths = batch["response_mask"][: len(rows)].sum(dim=-1).tolist()
     formatted = [
-        {key: tensor_data(_last(values, int(length))) for key, values in row.items()}
+        {key: tensor_data(last_tokens(values, int(length))) for key, values in row.items()}
         for row, length in zip(rows, lengths, strict=True)
     ]
     return ForwardBackwardOutput(loss_fn_output_type=output_type, loss_fn_outputs=formatted, metrics=metrics)
-
-
-def _last(values: Sequence[float] | torch.Tensor, n: int) -> Sequence[float]:
-    """A row's response tokens: SkyRL's response-level arrays are right-aligned."""
-    values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
-    return values[len(values) - n :] if n else []
 
 
 def _require_fields(batch: TrainingInputBatch, resolved: ResolvedLoss) -> None:

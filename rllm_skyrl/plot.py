@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rllm_skyrl.trainer.tracking import KL_KEYS, read_metrics
+from rllm_skyrl.metrics import KL_KEYS
+from rllm_skyrl.run_log import read_metrics
 
 TIME_KEYS = ("time/step", "time/generate", "time/forward_backward", "time/testing")
 

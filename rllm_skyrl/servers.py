@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from rllm_skyrl.run_config import RunConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -168,3 +170,20 @@ def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
 
     client, setup = build_new_inference_client(skyrl_cfg, tokenizer)
     return SkyRLServers(urls=list(setup.server_urls), client=client, setup=setup)
+
+
+def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
+    """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers."""
+    kind = run.platform.server_kind(run.inference.urls)
+    if kind == "external":
+        return external_servers(list(run.inference.urls))
+    if kind == "skyrl_vllm":
+        return start_skyrl_servers(run.skyrl, tokenizer)
+    return start_cpu_servers(
+        run.model_path,
+        run.inference.num_engines,
+        log_dir=run.log_dir / "inference",
+        max_model_len=run.inference.max_model_len,
+        max_batch_size=run.inference.max_batch_size,
+        seed=run.seed,
+    )

@@ -10,83 +10,37 @@ shutdown that leaves no actor behind.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import ray
 
-from rllm_skyrl.compat import cpu
+from rllm_skyrl.platform import Platform
+from rllm_skyrl.run_config import roles_for
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "critic", "ref")
 
 
-def make_skyrl_config(overrides: dict[str, Any] | list[str] | None = None, for_cpu: bool | None = None):
-    """Build a typed ``SkyRLTrainConfig`` from dotted overrides, with the CPU settings forced when needed.
-
-    On a machine without CUDA the CPU overrides win over the caller's: SkyRL cannot
-    run with them otherwise, and a silent wrong value would fail much later. ``for_cpu``
-    overrides the detection (``plan`` resolves a GPU cluster's config from a laptop).
-    """
-    from skyrl.train.config.config import SkyRLTrainConfig
-
-    if isinstance(overrides, list):
-        from omegaconf import OmegaConf
-
-        overrides = {k: v for k, v in OmegaConf.to_container(OmegaConf.from_dotlist(overrides)).items()}
-        overrides = _flatten(overrides)
-    merged = dict(overrides or {})
-    if (not cpu.cuda_available()) if for_cpu is None else for_cpu:
-        merged.update(cpu.CPU_CONFIG_OVERRIDES)
-    for key in merged:
-        _check_key(SkyRLTrainConfig, key)
-    return SkyRLTrainConfig.from_cli_overrides(merged)
-
-
-def _check_key(config_cls: type, key: str) -> None:
-    """Name the whole dotted key when it is not in SkyRL's config (SkyRL names only the leaf)."""
-    import dataclasses
-    import typing
-
-    node: Any = config_cls
-    for depth, part in enumerate(key.split(".")):
-        if not dataclasses.is_dataclass(node):
-            return  # a dict-valued field (e.g. model_config_kwargs): free-form below this point
-        fields = {f.name: f for f in dataclasses.fields(node)}
-        if part not in fields:
-            where = ".".join(key.split(".")[:depth]) or "the top level"
-            raise ValueError(
-                f"unknown SkyRL config key {key!r}: {where} has no field {part!r}; "
-                f"its fields are {sorted(fields)}"
-            )
-        hint = typing.get_type_hints(node).get(part)
-        candidates = [hint, *typing.get_args(hint)]
-        node = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
-
-
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 
-    Ray must already be initialised (see ``rllm_skyrl.launcher.start_ray``).
+    Ray must already be initialised (see ``rllm_skyrl.runtime.start_ray``). ``roles`` defaults to
+    what the config asks for (``run_config.roles_for``).
     """
 
-    def __init__(self, cfg, tokenizer, total_training_steps: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        tokenizer,
+        total_training_steps: int | None = None,
+        roles: tuple[str, ...] | None = None,
+        platform: Platform | None = None,
+    ):
         from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
         from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
         if not ray.is_initialized():
-            raise RuntimeError("Ray is not running; call rllm_skyrl.launcher.start_ray(cfg) first.")
+            raise RuntimeError("Ray is not running; call rllm_skyrl.runtime.start_ray(...) first.")
         if cfg.trainer.strategy != "fsdp":
             raise ValueError(f"trainer.strategy={cfg.trainer.strategy!r} is not supported; use 'fsdp'.")
         if cfg.trainer.placement.colocate_all:
@@ -94,18 +48,14 @@ class SkyRLWorkers:
                 "trainer.placement.colocate_all=true is not supported yet: training and inference run on "
                 "separate devices; set skyrl.trainer.placement.colocate_all=false"
             )
-        cpu.apply()
+        (platform or Platform.detect()).prepare_process()
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
 
         self.cfg = cfg
         self.tokenizer = tokenizer
         placement = cfg.trainer.placement
-        algo = cfg.trainer.algorithm
-        use_ref = algo.use_kl_loss or algo.use_kl_in_reward
-        use_critic = bool(cfg.trainer.critic.model.path)
-
         worker_classes = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
-        roles = ["policy"] + (["critic"] if use_critic else []) + (["ref"] if use_ref else [])
+        roles = roles or roles_for(cfg)
         self._groups: dict[str, PPORayActorGroup] = {}
         try:
             for role in roles:
@@ -171,6 +121,15 @@ class SkyRLWorkers:
 
     def set_algorithm_config(self, role: str, **kwargs) -> None:
         self.dispatch.set_algorithm_config(role, **kwargs)
+
+    def connect_inference(self, client) -> None:
+        """Hand SkyRL's weight transfer the client of the servers it must update (CUDA path)."""
+        self.dispatch.set_inference_engine_client(client)
+        self.dispatch.init_weight_sync_state(client)
+
+    async def save_weights_for_sampler(self) -> None:
+        """SkyRL's in-memory transfer of the policy's weights into the connected servers."""
+        await self.dispatch.save_weights_for_sampler()
 
     def save_hf_model(self, role: str, export_dir: str) -> None:
         self.dispatch.save_hf_model(role, export_dir, self.tokenizer)

@@ -41,9 +41,37 @@ if [ "$(cat "$STAMP_FILE" 2>/dev/null)" != "$(stamp_of)" ]; then
   # torch first and exactly pinned, so nothing later pulls a different build.
   "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
-  "$VENV/bin/python" -m pip check
+  # rLLM (installed for the tests, see below) comes without its dependencies on purpose.
+  broken="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^rllm ' -e '^No broken requirements' || true)"
+  if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
   stamp_of > "$STAMP_FILE"
 fi
 
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
+
+# rLLM is not on PyPI: the test set-up installs the source snapshot this backend conforms to.
+# `--no-deps` because rLLM's full dependency set pulls tinker, litellm and more that the trainer
+# does not import; `codetiming` is the one small dependency the project's own set lacks.
+install_vendored_rllm() {
+  local vendor="${RLLM_SKYRL_RLLM_VENDOR:-$ROOT/../shared/vendor/rllm}"
+  local tarballs=("$vendor"/rllm-*.tar.gz)
+  local tarball="${tarballs[0]}"
+  if [ ! -f "$tarball" ]; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "error: no rLLM snapshot in $vendor; CI runs the real-rLLM tests (set RLLM_SKYRL_RLLM_VENDOR)" >&2
+      return 1
+    fi
+    return 0
+  fi
+  local stamp_file="$VENV/.rllm_vendor_stamp" stamp
+  stamp="$(sha256sum "$tarball" | cut -d' ' -f1)"
+  if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  echo "Installing rLLM from $tarball ..."
+  local src="$VENV/src/rllm-vendored"
+  rm -rf "$src" && mkdir -p "$src"
+  tar xzf "$tarball" -C "$src"
+  "$VENV/bin/python" -m pip install --quiet --no-deps -e "$src/rllm"
+  "$VENV/bin/python" -m pip install --quiet codetiming
+  echo "$stamp" > "$stamp_file"
+}

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Run the test suite (creates/refreshes .venv first). Extra arguments go to pytest.
+# The real rLLM the backend conforms to is installed from its source snapshot in
+# ../shared/vendor/rllm when that folder exists (or RLLM_SKYRL_RLLM_VENDOR points at one);
+# CI (CI=true) fails when its tests would skip.
 # Slow tests (long learning curves, the realistic SmolLM2 runs) are opt-in locally with
 # RLLM_SKYRL_SLOW=1, and always run in CI (CI=true), which has the time for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+install_vendored_rllm
 marker="not slow"
 if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; fi
 set +e

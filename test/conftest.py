@@ -32,8 +32,8 @@ def ray_cluster(tmp_path_factory):
     """One local Ray (with the CPU patches as worker hook) for the whole run: starting it costs ~20 s."""
     import ray
 
-    from rllm_skyrl.launcher import start_ray
-    from rllm_skyrl.workers import make_skyrl_config
+    from rllm_skyrl.run_config import make_skyrl_config
+    from rllm_skyrl.runtime import start_ray
 
     log_dir = tmp_path_factory.mktemp("ray_logs")
     started = start_ray(make_skyrl_config(), log_dir=str(log_dir))
@@ -48,3 +48,26 @@ def digits_runs(tmp_path_factory):
     from training_runs import shared_digits_runs
 
     return shared_digits_runs(tmp_path_factory.mktemp("digits_runs"))
+
+
+# --------------------------------------------------------------------------- skips in CI
+# A CI run (CI=true) must run every test family; only these skips are expected there, each for a
+# reason that no CPU machine can change. Any other skip fails the run, naming the test.
+ALLOWED_SKIPS_IN_CI = ("CPU patches are inert on CUDA machines", "needs CUDA")
+_skipped: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        _skipped.append((report.nodeid, reason))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("CI") != "true":
+        return
+    unexpected = [(test, why) for test, why in _skipped if not why.startswith(ALLOWED_SKIPS_IN_CI)]
+    if unexpected:
+        lines = "\n".join(f"  {test}: {why}" for test, why in unexpected)
+        print(f"\nerror: {len(unexpected)} test(s) skipped in CI, where they must run:\n{lines}", flush=True)
+        session.exitstatus = 1

@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
 from rllm_skyrl.backend import SkyRLBackend
-from rllm_skyrl.trainer.tracking import read_metrics
-from rllm_skyrl.trainer.types import Episode, Step, Trajectory
-from rllm_skyrl.trainer.workflow import SingleTurnWorkflow, Workflow, task_messages
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone.workflow import SingleTurnWorkflow, Workflow, task_messages
+from rllm_skyrl.types import Episode, Step, Trajectory
 from rllm_skyrl.workers import SkyRLWorkers
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
@@ -81,9 +81,9 @@ def test_validate_config_starts_nothing(tmp_path):
     ray_was_running = ray.is_initialized()
     backend = SkyRLBackend(unified_config(tmp_path))
     backend.validate_config()
-    assert backend.skyrl_cfg.generator.n_samples_per_prompt == 8
-    assert backend.skyrl_cfg.trainer.algorithm.temperature == 1.0
-    assert backend.workers is None and backend.servers is None
+    assert backend.run.skyrl.generator.n_samples_per_prompt == 8
+    assert backend.run.skyrl.trainer.algorithm.temperature == 1.0
+    assert backend.runtime is None
     assert ray.is_initialized() == ray_was_running
 
 

@@ -34,7 +34,7 @@ from training_runs import (
 
 from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointManager
 from rllm_skyrl.engine import SkyRLEngine
-from rllm_skyrl.trainer import StatefulTaskDataLoader
+from rllm_skyrl.standalone import StatefulTaskDataLoader
 
 # ---------------------------------------------------------------------------- unit: the manager
 
@@ -201,8 +201,12 @@ def _backend(tmp_path, save_freq=2):
     from omegaconf import OmegaConf
 
     from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.run_config import CheckpointSettings, InferenceSettings
 
-    backend = SkyRLBackend(OmegaConf.create({"rllm": {"trainer": {"save_freq": save_freq}}}))
+    backend = SkyRLBackend(OmegaConf.create({}))
+    backend.run = SimpleNamespace(
+        checkpoint=CheckpointSettings(root=tmp_path, save_freq=save_freq), inference=InferenceSettings()
+    )
     backend.checkpoints = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)))
 
     async def no_sync(version):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rllm_skyrl.compat import cpu
+from rllm_skyrl.platform import Platform
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inert on CUDA machines")
 
@@ -98,7 +99,7 @@ def test_apply_is_a_noop_when_cuda_is_available(monkeypatch):
     monkeypatch.setattr(cpu, "cuda_available", lambda: True)
     cpu.apply()
     assert installed == [] and not cpu.is_applied()
-    assert cpu.ray_runtime_env() == {}
+    assert Platform.detect().ray_runtime_env() == {}
 
 
 def test_flash_attn_stub_reports_flash_attention_absent():
@@ -127,7 +128,7 @@ def test_flash_attn_stub_reports_flash_attention_absent():
 
 
 def test_cpu_config_overrides_win():
-    from rllm_skyrl.workers import make_skyrl_config
+    from rllm_skyrl.run_config import make_skyrl_config
 
     cfg = make_skyrl_config({"trainer.flash_attn": True, "trainer.placement.colocate_all": True})
     assert cfg.trainer.flash_attn is False

@@ -15,8 +15,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from rllm_skyrl.config_bridge import BRIDGE, skyrl_overrides
-from rllm_skyrl.workers import make_skyrl_config
+from rllm_skyrl.run_config import BRIDGE, make_skyrl_config, skyrl_overrides
 
 # One value per bridged rLLM key, each different from its default so a missed mapping shows.
 BRIDGED_VALUES = {

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
+from rllm_skyrl.batch_layout import PAD_ROW_ID
 from rllm_skyrl.data_adapter import (
-    PAD_ROW_ID,
     BatchConfig,
     EmptyBatchError,
-    MalformedTrajectoryError,
     sft_examples_to_batch,
     trajectory_groups_to_batch,
 )
+from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)

@@ -69,7 +69,9 @@ def test_submodule_of_a_present_package_is_imported(tmp_path, monkeypatch):
     (package / "unified_trainer.py").write_text("MARK = 'stand-in'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("rllm", "rllm.trainer", "rllm.trainer.unified_trainer"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        # setitem first, so the real module (or its absence) comes back after the test
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
     assert require("rllm", "rllm.trainer.unified_trainer").MARK == "stand-in"
     assert optional_deps.is_installed("rllm")
 

@@ -52,7 +52,7 @@ DRIVER = textwrap.dedent(
     from transformers import AutoTokenizer
     sys.path.insert(0, {test_dir!r})
     from test_workers_cpu import PAIRS, config, sft_batch
-    from rllm_skyrl.launcher import start_ray
+    from rllm_skyrl.runtime import start_ray
     from rllm_skyrl.workers import SkyRLWorkers
     from pathlib import Path
 

@@ -13,10 +13,12 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, ppo_critic_loss
 from test_workers_cpu import config, hf_logprobs
 
+from rllm_skyrl.batch_layout import right_aligned
 from rllm_skyrl.data_adapter import sft_examples_to_batch
 from rllm_skyrl.losses import resolve_loss
-from rllm_skyrl.models import ModelRegistry, right_aligned
-from rllm_skyrl.workers import SkyRLWorkers, make_skyrl_config
+from rllm_skyrl.models import ModelRegistry
+from rllm_skyrl.run_config import make_skyrl_config
+from rllm_skyrl.workers import SkyRLWorkers
 
 PAIRS = [("what is 3?", "3"), ("what is 7 plus 2?", "9"), ("what is 12?", "1 2"), ("what is 5?", "5")]
 

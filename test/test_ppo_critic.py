@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
-from rllm_skyrl.trainer.tracking import read_metrics
-from rllm_skyrl.trainer.workflow import SingleTurnWorkflow
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
 
 EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
 STEPS = 220

@@ -372,7 +372,7 @@ def test_skyrl_backend_constructs_and_validates_as_rllm_does():
     backend = SkyRLBackend(config=cfg, **{"cli_overrides": ["model.path=tiny"]})
     backend.validate_config()
     assert backend.rollout_engine is None and backend.tokenizer is None  # set by init_rollout_engine
-    assert backend.skyrl_cfg.trainer.policy.model.path == "tiny"
+    assert Path(backend.run.skyrl.trainer.policy.model.path).is_dir()  # `tiny` resolved to its directory
 
 
 # --- Hydra search path ------------------------------------------------------------------------------
@@ -438,8 +438,8 @@ def test_real_rllm_unified_config_composes_with_skyrl_backend():
         import json
         from hydra import compose, initialize_config_module
         from omegaconf import OmegaConf
-        from rllm_skyrl.config_bridge import BRIDGE, skyrl_overrides
-        from rllm_skyrl.workers import make_skyrl_config
+        from rllm_skyrl.run_config import BRIDGE, skyrl_overrides
+        from rllm_skyrl.run_config import make_skyrl_config
 
         with initialize_config_module("rllm.trainer.config", version_base=None):
             overrides = ["rllm/backend=skyrl", "model.path=tiny", "training.group_size=4"]

@@ -14,8 +14,8 @@ from hydra import compose, initialize_config_dir
 from examples.sft.task import make_rows, reward_fn
 from examples.sft.train import encode, train_sft
 from rllm_skyrl import launcher
-from rllm_skyrl.trainer.tracking import read_metrics
-from rllm_skyrl.trainer.workflow import SingleTurnWorkflow
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

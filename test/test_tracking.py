@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from rllm_skyrl.trainer import Tracking, plot_run, redact
-from rllm_skyrl.trainer.tracking import REDACTED, _wandb_mode, console_line, read_metrics
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.secret_masking import REDACTED
+from rllm_skyrl.standalone import Tracking, plot_run, redact
+from rllm_skyrl.standalone.tracking import _wandb_mode, console_line
 
 SECRET = "sk-live-0123456789abcdef"
 CONFIG = {

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from rllm_skyrl.trainer import (
+from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone import (
     BackendProtocol,
     CompactFilteringConfig,
     Episode,
@@ -34,8 +35,7 @@ from rllm_skyrl.trainer import (
     load_rows,
     repeat_tasks,
 )
-from rllm_skyrl.trainer.episodes import group_trajectories, validation_metrics
-from rllm_skyrl.trainer.tracking import read_metrics
+from rllm_skyrl.standalone.episodes import group_trajectories, validation_metrics
 
 # --------------------------------------------------------------------------- fakes
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from training_runs import CONFIG_SECRET, SECRETS, assert_ok
 
-from rllm_skyrl.trainer.episodes import validation_metrics
-from rllm_skyrl.trainer.types import Episode
+from rllm_skyrl.standalone.episodes import validation_metrics
+from rllm_skyrl.types import Episode
 
 N_VAL = 3  # validation.group_size in apps/train_digits.yaml
 VAL_SOURCES = ("digits_a", "digits_b")
@@ -177,7 +177,7 @@ def test_a_png_is_drawn_at_the_end_and_on_demand(straight, tmp_path):
 
 
 def test_secret_values_come_from_secret_env_vars_and_secret_config_keys():
-    from rllm_skyrl.trainer.tracking import secret_values
+    from rllm_skyrl.secret_masking import secret_values
 
     environ = {
         "HF_TOKEN": "hf_abcdefgh",
@@ -198,7 +198,12 @@ def test_masking_covers_log_records_loguru_argv_and_hydra_yaml(capsys):
 
     from loguru import logger as loguru_logger
 
-    from rllm_skyrl.trainer.tracking import REDACTED, SecretMasker, _redact_yaml_line, install_secret_masking
+    from rllm_skyrl.secret_masking import (
+        REDACTED,
+        SecretMasker,
+        _redact_yaml_line,
+        install_secret_masking,
+    )
 
     secret = "hf_unit_test_secret_value"
     masker = SecretMasker([secret])

@@ -10,39 +10,34 @@ from test_workers_cpu import PAIRS, config, sft_batch
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.engine import SkyRLEngine
+from rllm_skyrl.platform import Platform
 from rllm_skyrl.servers import start_cpu_servers
 from rllm_skyrl.workers import SkyRLWorkers
 
 
 def test_sync_method_follows_the_device():
-    assert weight_sync.sync_method(cuda_available=True) == "skyrl"
-    assert weight_sync.sync_method(cuda_available=False) == "disk"
+    assert Platform(cuda=True).weight_sync_method == "skyrl"
+    assert Platform(cuda=False).weight_sync_method == "disk"
 
 
-def test_cuda_path_calls_skyrls_transfer(monkeypatch, tmp_path):
+def test_cuda_path_calls_skyrls_transfer(tmp_path):
     """On CUDA the backend hands weights to SkyRL's own transfer and never writes to disk."""
     calls = []
 
-    class Dispatch:
+    class Workers:
+        def connect_inference(self, client):
+            calls.append(("connect_inference", client))
+
         async def save_weights_for_sampler(self):
             calls.append("save_weights_for_sampler")
-
-        def init_weight_sync_state(self, client):
-            calls.append(("init_weight_sync_state", client))
-
-    class Workers:
-        dispatch = Dispatch()
 
         def save_hf_model(self, *args):
             raise AssertionError("the CUDA path must not save HF weights")
 
-    class Engine:
-        client = "client"
-
-    monkeypatch.setattr(weight_sync.cpu, "cuda_available", lambda: True)
-    weight_sync.prepare(Workers(), Engine())
-    assert asyncio.run(weight_sync.sync_weights(Workers(), None, tmp_path, version=3)) == "skyrl"
-    assert calls == [("init_weight_sync_state", "client"), "save_weights_for_sampler"]
+    method = Platform(cuda=True).weight_sync_method
+    weight_sync.prepare(method, Workers(), "client")
+    asyncio.run(weight_sync.sync_weights(method, Workers(), None, tmp_path, version=3))
+    assert calls == [("connect_inference", "client"), "save_weights_for_sampler"]
 
 
 def _server_vs_trainer(engine: SkyRLEngine, workers: SkyRLWorkers, tokenizer):
@@ -95,7 +90,9 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
             workers.optim_step("policy")
         stale, trainer_now = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (stale - trainer_now).abs().mean() > 1e-2, "the update should have moved the policy"
-        assert asyncio.run(weight_sync.sync_weights(workers, servers, tmp_path / "sync", version=1)) == "disk"
+        method = Platform.detect().weight_sync_method
+        assert method == "disk"
+        asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().mean() < 1e-3
     finally:

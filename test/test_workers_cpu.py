@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rllm_skyrl.workers import SkyRLWorkers, make_skyrl_config
+from rllm_skyrl.run_config import make_skyrl_config
+from rllm_skyrl.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

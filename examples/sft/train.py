@@ -14,16 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
-import ray
 from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
-from rllm_skyrl import config_bridge
-from rllm_skyrl.backend import resolve_model_path
 from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import hydra_cli_overrides, quiet_libraries, start_ray
-from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.workers import SkyRLWorkers, make_skyrl_config
+from rllm_skyrl.launcher import hydra_cli_overrides, quiet_libraries
+from rllm_skyrl.run_config import resolve_run_config
+from rllm_skyrl.runtime import Runtime
 
 MODEL_ID = "sft"
 
@@ -60,8 +57,6 @@ def shuffled_batches(examples: list, batch_size: int, seed: int) -> Iterator[lis
 
 def train_sft(cfg: DictConfig) -> SFTResult:
     """Run the SFT loop described by ``cfg`` (this example's config) and export the model."""
-    from transformers import AutoTokenizer
-
     started = time.perf_counter()
     sft = cfg.sft
     train_pairs, heldout_pairs = split_pairs(sft.heldout_pairs, seed=sft.seed)
@@ -69,21 +64,16 @@ def train_sft(cfg: DictConfig) -> SFTResult:
     train_path = write_sft_parquet(data_dir / "train.parquet", train_pairs)
     heldout_path = write_sft_parquet(data_dir / "heldout.parquet", heldout_pairs)
 
-    skyrl_cfg = make_skyrl_config(config_bridge.skyrl_overrides(cfg, hydra_cli_overrides()))
-    model_path = resolve_model_path(skyrl_cfg.trainer.policy.model.path)
-    skyrl_cfg.trainer.policy.model.path = model_path
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train = encode(tokenizer, read_sft_parquet(train_path))
-    heldout = encode(tokenizer, read_sft_parquet(heldout_path))
-    print(f"data: {len(train)} train pairs ({train_path}), {len(heldout)} held-out pairs ({heldout_path})")
-
-    owns_ray = start_ray(skyrl_cfg, log_dir=skyrl_cfg.trainer.log_path)
-    workers = None
+    # One optimizer step per SFT step: the run is exactly sft.steps optimizer steps long.
+    run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
+    runtime = Runtime.start(run, serve=False)
     try:
-        workers = SkyRLWorkers(skyrl_cfg, tokenizer, total_training_steps=sft.steps)
-        models = ModelRegistry(workers)
+        tokenizer, models = runtime.tokenizer, runtime.models
+        train = encode(tokenizer, read_sft_parquet(train_path))
+        heldout = encode(tokenizer, read_sft_parquet(heldout_path))
+        print(f"data: {len(train)} train pairs ({train_path}), {len(heldout)} held-out ({heldout_path})")
         models.create_model(MODEL_ID)
-        dp_size = workers.dp_size("policy")
+        dp_size = runtime.workers.dp_size("policy")
 
         def batch_of(examples: list):
             return sft_examples_to_batch(examples, pad_token_id=tokenizer.pad_token_id, dp_size=dp_size)
@@ -106,10 +96,7 @@ def train_sft(cfg: DictConfig) -> SFTResult:
                 evaluate(step, output.metrics["loss"])
         models.save_hf_model(MODEL_ID, str(result.export_dir))
     finally:
-        if workers is not None:
-            workers.shutdown()
-        if owns_ray:
-            ray.shutdown()
+        runtime.shutdown()
     result.seconds = time.perf_counter() - started
     first, last = result.heldout_losses[0][1], result.heldout_losses[-1][1]
     print(f"held-out loss: {first:.3f} -> {last:.3f} in {sft.steps} steps ({result.seconds:.0f} s)")

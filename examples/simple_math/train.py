@@ -13,7 +13,7 @@ from rllm_skyrl.launcher import run
 def main(cfg: DictConfig) -> None:
     run(
         cfg,
-        workflow_class="rllm_skyrl.trainer.workflow.SingleTurnWorkflow",
+        workflow_class="rllm_skyrl.standalone.workflow.SingleTurnWorkflow",
         workflow_args={"reward_fn": reward_fn},
         train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
         val_dataset=make_rows(cfg.dataset.val_rows, seed=cfg.dataset.seed + 1),

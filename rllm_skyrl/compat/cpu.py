@@ -5,7 +5,7 @@ meshes, ``torch.cuda.*`` device calls, a top-level ``flash_attn`` import). On CP
 those are the only obstacles: the math is device-agnostic. This module is the one
 place that knows about them. ``apply()`` installs every patch, is idempotent, and
 does nothing when CUDA is available; it runs in the driver and, through Ray's
-``worker_process_setup_hook`` (see ``ray_runtime_env``), in every Ray worker.
+``worker_process_setup_hook`` (see ``Platform.ray_runtime_env``), in every Ray worker.
 
 No patch changes numerics: each one only redirects a device choice ("cuda" to
 "cpu"), turns a CUDA-only synchronisation into a no-op, or supplies an import.
@@ -213,8 +213,3 @@ def apply() -> None:
 
 def is_applied() -> bool:
     return _applied
-
-
-def ray_runtime_env() -> dict:
-    """Runtime-env entries that make every Ray worker process apply the patches at start."""
-    return {} if cuda_available() else {"worker_process_setup_hook": SETUP_HOOK}

@@ -17,8 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from rllm_skyrl.launcher import run
-from rllm_skyrl.trainer.types import Episode, Step, TerminationReason, Trajectory
-from rllm_skyrl.trainer.workflow import Workflow, task_messages
+from rllm_skyrl.standalone.workflow import Workflow, task_messages
+from rllm_skyrl.types import Episode, Step, TerminationReason, Trajectory
 
 VAL_SOURCES = ("digits_a", "digits_b")
 

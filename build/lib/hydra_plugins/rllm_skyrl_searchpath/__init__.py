@@ -1,0 +1,1 @@
+"""Hydra plug-in package of rllm-skyrl; Hydra imports every module under ``hydra_plugins``."""

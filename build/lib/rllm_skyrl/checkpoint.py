@@ -1,0 +1,269 @@
+"""Atomic checkpoints and exact resume.
+
+Layout under ``root`` (``training.default_local_dir``)::
+
+    global_step_N/
+        policy/              SkyRL's FSDP checkpoint: weights, optimizer moments, LR scheduler, RNG
+        critic/              the same, for PPO with a critic (the frozen reference model is not saved)
+        trainer_state.json   step, data-loader position, driver RNG
+    latest                   "global_step_N" of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory, flushed to disk, and renamed into
+place only when every part is there; then ``latest`` is replaced atomically. A process killed at
+any point of a save leaves the previous checkpoint and ``latest`` usable; the orphaned temporary
+directory is removed by the next save. Re-saving an existing step (after resuming from an older
+one) moves the old directory aside first and deletes it only once the new one is in place.
+
+Resume modes (``training.resume_mode``): ``auto`` continues from ``latest`` if there is one,
+``disable`` starts from step 1 whatever is on disk, ``resume_path`` loads
+``training.resume_from_path`` (a ``global_step_N`` directory, or a root holding ``latest``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "global_step_"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+RESUME_MODES = ("auto", "disable", "resume_path")
+_TMP = f".tmp_{STEP_PREFIX}"
+_OLD = f".old_{STEP_PREFIX}"
+
+
+def _rng_state() -> dict[str, Any]:
+    numpy_state = np.random.get_state()
+    return {
+        "python": repr(random.getstate()),
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(ast.literal_eval(state["python"]))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root``, so a rename never publishes unwritten data."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _step_of(path: Path) -> int | None:
+    suffix = path.name.removeprefix(STEP_PREFIX)
+    return int(suffix) if path.name.startswith(STEP_PREFIX) and suffix.isdigit() else None
+
+
+class CheckpointManager:
+    """Saves and restores the workers' state plus the driver's position in the data."""
+
+    def __init__(self, root: str | Path, workers: Any, max_to_keep: int = -1):
+        if "://" in str(root):
+            raise ValueError(
+                f"checkpoint directory {root!r}: atomic checkpoints need a local or shared filesystem "
+                "(rename is not atomic on object stores); set training.default_local_dir to a path"
+            )
+        self.root = Path(root)
+        self.workers = workers
+        self.max_to_keep = max_to_keep
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"{STEP_PREFIX}{step}"
+
+    def _saved_roles(self) -> list[str]:
+        return [role for role in self.workers.roles if role != "ref"]  # the reference never changes
+
+    def latest_step(self) -> int | None:
+        """The step ``latest`` names, or None when nothing was saved yet."""
+        pointer = self.root / LATEST
+        if not pointer.exists():
+            return None
+        name = pointer.read_text().strip()
+        if not (self.root / name / STATE_FILE).exists():
+            self._recover_moved_aside(name)
+        if not (self.root / name / STATE_FILE).exists():
+            raise RuntimeError(
+                f"{pointer} names {name!r}, which is not a complete checkpoint; point it at a complete "
+                f"{STEP_PREFIX}N directory, or delete it to start over"
+            )
+        return int(name.removeprefix(STEP_PREFIX))
+
+    def _recover_moved_aside(self, name: str) -> None:
+        """A save killed between moving an old ``name`` aside and renaming its replacement in."""
+        for old in sorted(self.root.glob(f".old_{name}_*")):
+            if (old / STATE_FILE).exists() and not (self.root / name).exists():
+                os.rename(old, self.root / name)
+                logger.warning("restored %s from an interrupted re-save", self.root / name)
+                return
+
+    def save(self, step: int, trainer_state: Any) -> Path:
+        """Write ``global_step_<step>`` atomically and point ``latest`` at it."""
+        start = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{_TMP}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        final = self.step_dir(step)
+        tmp = self.root / f"{_TMP}{step}_{os.getpid()}"
+        tmp.mkdir()
+        for role in self._saved_roles():
+            self.workers.save_checkpoint(role, str(tmp / role))
+            finalize = getattr(getattr(self.workers, "dispatch", None), "finalize_pending_saves", None)
+            if finalize is not None:  # SkyRL's async checkpoint writes (Megatron) must land first
+                finalize(role)
+        loader = getattr(trainer_state, "train_dataloader", None)
+        state = {
+            "global_step": step,
+            "epoch": getattr(trainer_state, "epoch", 0),
+            "dataloader": loader.state_dict() if loader is not None else None,
+            "rng": _rng_state(),
+            "roles": self._saved_roles(),
+            "saved_at": time.time(),
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state))
+        _fsync_tree(tmp)
+        old = None
+        if final.exists():  # re-saving a step (after resuming from an older one): replace it whole
+            old = self.root / f"{_OLD}{step}_{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, final.name)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune(step)
+        logger.info("saved checkpoint %s in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    def _prune(self, current: int) -> None:
+        """Keep the newest ``max_to_keep`` checkpoints up to ``current``; never the one just saved.
+
+        Checkpoints of later steps (left by a run this one resumed from an earlier point of) are
+        not counted or touched; they are replaced as this run reaches those steps.
+        """
+        for old in self.root.glob(f"{_OLD}*"):
+            shutil.rmtree(old, ignore_errors=True)
+        if self.max_to_keep <= 0:
+            return
+        steps = sorted(s for p in self.root.iterdir() if (s := _step_of(p)) is not None and s <= current)
+        for old_step in steps[: -self.max_to_keep]:
+            shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+
+    def resolve(self, mode: str, path: str | None) -> Path | None:
+        """The checkpoint directory a resume in ``mode`` loads, or None to start from step 1."""
+        if mode not in RESUME_MODES:
+            raise ValueError(f"training.resume_mode={mode!r}: choose one of {RESUME_MODES}")
+        if mode == "disable":
+            try:
+                latest = self.latest_step()
+            except RuntimeError:  # a broken pointer does not matter to a run that ignores it
+                latest = None
+            if latest is not None:
+                logger.warning(
+                    "training.resume_mode=disable: starting from step 1 although %s holds checkpoints "
+                    "up to step %d; they are overwritten as this run reaches their steps",
+                    self.root,
+                    latest,
+                )
+            return None
+        if mode == "resume_path":
+            if not path:
+                raise ValueError("training.resume_mode=resume_path needs training.resume_from_path")
+            directory = Path(path)
+            if not (directory / STATE_FILE).exists() and (directory / LATEST).exists():
+                directory = directory / (directory / LATEST).read_text().strip()
+            if not (directory / STATE_FILE).exists():
+                raise FileNotFoundError(
+                    f"training.resume_from_path={path}: not a checkpoint (no {STATE_FILE}); give a "
+                    f"{STEP_PREFIX}N directory or a checkpoint root holding a '{LATEST}' file"
+                )
+            return directory
+        step = self.latest_step()
+        return None if step is None else self.step_dir(step)
+
+    def resume(self, mode: str, path: str | None, trainer_state: Any) -> int | None:
+        """Restore workers, step counter, data position and RNG; returns the step resumed from."""
+        directory = self.resolve(mode, path)
+        if directory is None:
+            return None
+        state = json.loads((directory / STATE_FILE).read_text())
+        missing = [role for role in self._saved_roles() if not (directory / role).is_dir()]
+        if missing:
+            raise FileNotFoundError(
+                f"{directory} has no {'/'.join(missing)} checkpoint (saved roles: {state.get('roles')}); "
+                "was it made with a different algorithm (e.g. without a critic)?"
+            )
+        start = time.perf_counter()
+        for role in self._saved_roles():
+            self.workers.load_checkpoint(role, str(directory / role))
+        trainer_state.global_step = state["global_step"]
+        trainer_state.epoch = state.get("epoch", 0)
+        loader = getattr(trainer_state, "train_dataloader", None)
+        if loader is not None and state.get("dataloader") is not None:
+            loader.load_state_dict(state["dataloader"])
+        _restore_rng(state["rng"])
+        seconds = time.perf_counter() - start
+        logger.info("resumed from %s (step %d) in %.2f s", directory, state["global_step"], seconds)
+        return state["global_step"]
+
+
+def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:
+    """One line for a run that stopped: what failed, and which checkpoint a rerun continues from."""
+    import ray.exceptions
+
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    if isinstance(error, ray.exceptions.RayActorError):
+        cause = f"a SkyRL training worker died ({cause})"
+    try:
+        latest = checkpoints.latest_step() if checkpoints is not None else None
+    except RuntimeError:
+        latest = None
+    if latest is None:
+        where = "no checkpoint was saved, so a rerun starts from step 1"
+    else:
+        where = (
+            f"rerun with training.resume_mode=auto to continue after step {latest} "
+            f"({checkpoints.step_dir(latest)})"
+        )
+    return f"training stopped at step {step}: {cause}; {where}"

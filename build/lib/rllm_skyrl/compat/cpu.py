@@ -1,0 +1,215 @@
+"""Everything SkyRL 0.4 needs to run its real FSDP workers on a machine without CUDA.
+
+SkyRL's workers assume CUDA in a handful of places (process-group backend, device
+meshes, ``torch.cuda.*`` device calls, a top-level ``flash_attn`` import). On CPU
+those are the only obstacles: the math is device-agnostic. This module is the one
+place that knows about them. ``apply()`` installs every patch, is idempotent, and
+does nothing when CUDA is available; it runs in the driver and, through Ray's
+``worker_process_setup_hook`` (see ``Platform.ray_runtime_env``), in every Ray worker.
+
+No patch changes numerics: each one only redirects a device choice ("cuda" to
+"cpu"), turns a CUDA-only synchronisation into a no-op, or supplies an import.
+Each ``Patch`` names the SkyRL source that needs it, so the tests can fail loudly
+when a SkyRL upgrade stops needing (or changes) one.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+SETUP_HOOK = "rllm_skyrl.compat.cpu.apply"
+
+# SkyRL config values that must hold on CPU. `placement.*` colocation relies on
+# CUDA IPC and memory offload; `remove_microbatch_padding` packs sequences for
+# flash-attn varlen kernels; dataloader workers would fork Ray-initialised state.
+CPU_CONFIG_OVERRIDES: dict[str, object] = {
+    "trainer.flash_attn": False,
+    "trainer.remove_microbatch_padding": False,
+    "trainer.placement.colocate_all": False,
+    "trainer.placement.colocate_policy_ref": False,
+    "trainer.use_expandable_segments": False,
+    "data.dataloader.num_workers": 0,
+}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One CUDA assumption in SkyRL and how we neutralise it on CPU."""
+
+    name: str
+    needed_by: tuple[str, str, str]  # (module, qualified attribute, source text that shows the need)
+    install: Callable[[], None]
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+# --- the patches ---------------------------------------------------------------------------
+
+
+def _flash_attn_stub() -> None:
+    """Provide ``flash_attn.bert_padding`` so SkyRL's model wrapper imports.
+
+    Its helpers are only called with ``remove_microbatch_padding=True``, which
+    CPU_CONFIG_OVERRIDES turns off; calling one anyway raises with the fix.
+    ``flash_attn.ops`` stays absent, so SkyRL's optional fused cross-entropy
+    import keeps falling back to its torch implementation.
+    """
+    if "flash_attn" in sys.modules:
+        return
+
+    def unavailable(*_args, **_kwargs):
+        raise RuntimeError(
+            "flash-attn is not available on this machine; set trainer.remove_microbatch_padding=false "
+            "(rllm_skyrl does this automatically on CPU)."
+        )
+
+    package = types.ModuleType("flash_attn")
+    package.__path__ = []
+    # A spec without an origin keeps importlib.util.find_spec working while transformers'
+    # availability check (it reads the distribution metadata) still reports flash-attn absent.
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    bert_padding = types.ModuleType("flash_attn.bert_padding")
+    bert_padding.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
+    bert_padding.pad_input = unavailable
+    bert_padding.unpad_input = unavailable
+    package.bert_padding = bert_padding
+    sys.modules["flash_attn"] = package
+    sys.modules["flash_attn.bert_padding"] = bert_padding
+
+
+def _gloo_process_group() -> None:
+    """SkyRL asks for ``cpu:gloo,cuda:nccl``; NCCL cannot initialise without a GPU."""
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_rllm_skyrl_patched", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(backend=None, *args, **kwargs):
+        if backend is None or "nccl" in str(backend):
+            backend = "gloo"
+        return original(backend, *args, **kwargs)
+
+    init_process_group._rllm_skyrl_patched = True
+    dist.init_process_group = init_process_group
+
+
+def _cpu_device_mesh() -> None:
+    """Device meshes are built for "cuda"; build them on "cpu" instead."""
+    import torch.distributed.device_mesh as device_mesh
+
+    original = device_mesh.init_device_mesh
+    if getattr(original, "_rllm_skyrl_patched", False):
+        return
+
+    @functools.wraps(original)
+    def init_device_mesh(device_type, *args, **kwargs):
+        return original("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    init_device_mesh._rllm_skyrl_patched = True
+    device_mesh.init_device_mesh = init_device_mesh
+    # fsdp_utils imported the name directly, so rebind it there too.
+    from skyrl.backends.skyrl_train.distributed import fsdp_utils
+
+    fsdp_utils.init_device_mesh = init_device_mesh
+
+
+def _cuda_set_device_noop() -> None:
+    torch.cuda.set_device = lambda device: None
+
+
+def _cuda_current_device_cpu() -> None:
+    """Tensors moved to ``torch.cuda.current_device()`` stay on the CPU."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _cuda_synchronize_noop() -> None:
+    """CPU kernels are synchronous; there is nothing to wait for."""
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _tensor_cuda_identity() -> None:
+    """``buf.cuda()`` (used to broadcast buffers between ranks) keeps the tensor where it is."""
+    if getattr(torch.Tensor.cuda, "_rllm_skyrl_patched", False):
+        return
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self
+
+    cuda._rllm_skyrl_patched = True
+    torch.Tensor.cuda = cuda
+
+
+def _empty_on_cpu() -> None:
+    """Receive buffers allocated with ``device="cuda"`` are allocated on the CPU."""
+    original = torch.empty
+    if getattr(original, "_rllm_skyrl_patched", False):
+        return
+
+    @functools.wraps(original)
+    def empty(*args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return original(*args, device=device, **kwargs)
+
+    empty._rllm_skyrl_patched = True
+    torch.empty = empty
+
+
+_W = "skyrl.backends.skyrl_train.workers.worker"
+_U = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
+_S = "skyrl.backends.skyrl_train.distributed.fsdp_strategy"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "flash_attn_stub",
+        ("skyrl.backends.skyrl_train.workers.model_wrapper", "", "from flash_attn.bert_padding import"),
+        _flash_attn_stub,
+    ),
+    Patch("gloo_process_group", (_W, "Worker.init_worker_process_group", "cuda:nccl"), _gloo_process_group),
+    Patch("cpu_device_mesh", (_U, "create_device_mesh", 'init_device_mesh("cuda"'), _cpu_device_mesh),
+    Patch(
+        "cuda_set_device_noop",
+        (_S, "FSDPStrategy.setup_distributed", "torch.cuda.set_device"),
+        _cuda_set_device_noop,
+    ),
+    Patch(
+        "cuda_current_device_cpu",
+        (_U, "load_fsdp2_model_to_gpu", "torch.cuda.current_device()"),
+        _cuda_current_device_cpu,
+    ),
+    Patch(
+        "cuda_synchronize_noop",
+        (_S, "FSDPStrategy.save_checkpoint", "torch.cuda.synchronize()"),
+        _cuda_synchronize_noop,
+    ),
+    Patch("tensor_cuda_identity", (_U, "", ".cuda()"), _tensor_cuda_identity),
+    Patch("empty_on_cpu", (_U, "", 'torch.empty(buf.shape, dtype=buf.dtype, device="cuda")'), _empty_on_cpu),
+)
+
+_applied = False
+
+
+def apply() -> None:
+    """Install every patch (once per process), only when CUDA is absent."""
+    global _applied
+    if _applied or cuda_available():
+        return
+    # The flash-attn stub must precede any import of SkyRL's worker modules.
+    for patch in PATCHES:
+        patch.install()
+    _applied = True
+
+
+def is_applied() -> bool:
+    return _applied

@@ -1,0 +1,343 @@
+"""``SkyRLEngine``: rLLM's rollout-engine contract over SkyRL's ``RemoteInferenceClient``.
+
+Workflows call ``get_model_response(messages)``; the engine applies the tokenizer's chat template
+itself and sends token ids (token in, token out), so the ids and logprobs in the returned
+``ModelOutput`` are exactly what the policy sampled -- no re-tokenisation drift between rollout
+and training. It only ever talks to the client, so the same engine drives the CPU server in
+``rllm_skyrl.inference`` and SkyRL's vLLM servers on GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import re
+import zlib
+from array import array
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rllm_skyrl.types import ModelOutput, TerminationEvent
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
+MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
+
+# Per-call keyword arguments that become sampling params (vLLM names).
+_SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "min_tokens",
+        "logprobs",
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    }
+)
+# Keyword arguments rLLM workflows pass that are not sampling params; consumed or ignored here.
+_WORKFLOW_KEYS = frozenset({"application_id", "session_id", "accumulate_reasoning", "reasoning_effort"})
+DEFAULT_SAMPLING_PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0}
+
+_THINK_END = "</think>"
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    """A function call the model emitted (Hermes/Qwen ``<tool_call>{json}</tool_call>`` format)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TokenOutput:
+    """What the server returned for one token-in request (after abort-retries are stitched)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+
+
+def termination_event(reason: str) -> Exception:
+    """rLLM's ``TerminationEvent(TerminationReason(reason))`` if rLLM is installed, else ours."""
+    for module in ("rllm.types", "rllm.workflows.workflow"):
+        try:
+            mod = __import__(module, fromlist=["TerminationEvent", "TerminationReason"])
+            return mod.TerminationEvent(mod.TerminationReason(reason))
+        except (ImportError, AttributeError):
+            continue
+    return TerminationEvent(reason)
+
+
+def termination_reason(output: ModelOutput) -> str | None:
+    """The rLLM termination reason a finished call implies (a truncated response), if any."""
+    return MAX_RESPONSE_LENGTH_EXCEEDED if output.finish_reason == "length" else None
+
+
+class SkyRLEngine:
+    """rLLM ``RolloutEngine`` semantics on top of ``RemoteInferenceClient``.
+
+    ``client`` handles the control plane (sleep/wake, and its ``server_urls`` fan-out); data
+    requests go to ``data_clients`` (default: ``[client]``), chosen by session id so the turns of
+    one multi-turn rollout land on the same server. ``is_validation`` (set by the workflow
+    engine) switches between the train and validation sampling params. The backend bumps
+    ``weight_version`` after every weight sync; outputs are stamped with the version live when
+    their request started.
+
+    ``request_seed`` (None: off) gives every request its own sampling seed, derived from that base
+    seed, the weight version, train/validation, the prompt tokens and how many requests with the
+    same prompt came before it at this weight version. Sampling then depends only on what is asked
+    and when in training it is asked, not on server RNG state, so a run resumed from a checkpoint
+    samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        *,
+        max_prompt_length: int,
+        max_response_length: int,
+        train_sampling_params: dict[str, Any] | None = None,
+        val_sampling_params: dict[str, Any] | None = None,
+        model: str | None = None,
+        data_clients: list[Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        sleep_level: int = 1,
+        request_seed: int | None = None,
+    ):
+        self.client = client
+        self.data_clients = data_clients or [client]
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.max_response_length = max_response_length
+        self.train_sampling_params = {**DEFAULT_SAMPLING_PARAMS, **(train_sampling_params or {})}
+        self.val_sampling_params = {**self.train_sampling_params, **(val_sampling_params or {})}
+        self.model = model
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.sleep_level = sleep_level
+        self.is_validation = False
+        self.weight_version = 0
+        self.chat_parser = None  # rLLM callers read this; the engine templates with the tokenizer itself
+        self._round_robin = itertools.cycle(range(len(self.data_clients)))
+        self._warned_keys: set[str] = set()
+        self.request_seed = request_seed
+        self._seed_counts: dict[tuple[int, bool, bytes], int] = {}
+        self._seed_version: int | None = None
+
+    @classmethod
+    def from_urls(cls, server_urls: list[str], tokenizer: Any, *, model_name: str = "default", **kwargs: Any):
+        """An engine over inference servers addressed directly (no router): one client per server
+        for data, plus one that fans control calls out to all of them."""
+        from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+
+        def make(proxy: str, urls: list[str]) -> RemoteInferenceClient:
+            return RemoteInferenceClient(
+                proxy_url=proxy,
+                server_urls=urls,
+                data_parallel_size=1,
+                model_name=model_name,
+                tokenizer=tokenizer,
+            )
+
+        if not server_urls:
+            raise ValueError("server_urls is empty; pass at least one inference server URL")
+        control = make(server_urls[0], list(server_urls))
+        data = [make(url, [url]) for url in server_urls] if len(server_urls) > 1 else None
+        return cls(control, tokenizer, data_clients=data, **kwargs)
+
+    @classmethod
+    def for_servers(cls, servers: Any, tokenizer: Any, run: Any) -> SkyRLEngine:
+        """The engine a run samples from: SkyRL's own client when SkyRL started the servers, else
+        clients over their URLs; lengths and sampling params from the ``RunConfig``."""
+        engine_args = dict(
+            max_prompt_length=run.max_prompt_length,
+            max_response_length=run.max_response_length,
+            train_sampling_params=dict(run.train_sampling),
+            val_sampling_params=dict(run.val_sampling),
+        )
+        if getattr(servers, "client", None) is not None:
+            return cls(servers.client, tokenizer, **engine_args)
+        return cls.from_urls(servers.urls, tokenizer, **engine_args)
+
+    @property
+    def supports_token_in_token_out(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ rollouts
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
+        """Template ``messages``, sample a completion, return it parsed.
+
+        Raises ``TerminationEvent("max_prompt_length_exceeded")`` (rLLM's class if installed)
+        when the templated prompt exceeds ``max_prompt_length``; a response cut at the token
+        limit comes back with ``finish_reason="length"`` (see ``termination_reason``).
+        """
+        weight_version = self.weight_version
+        tools = kwargs.pop("tools", None)
+        prompt_ids = self.render(messages, tools=tools)
+        token_output = await self.get_token_output_from_token_input(prompt_ids, **kwargs)
+        output = self.assemble_model_output(prompt_ids, token_output)
+        output.weight_version = weight_version
+        return output
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.chat_template_kwargs,
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def get_token_output_from_token_input(self, token_input: list[int], **kwargs: Any) -> TokenOutput:
+        """Sample a completion of ``token_input``.
+
+        A request the server aborts (a weight sync paused it with ``mode=abort``) is resumed by
+        resubmitting prompt + partial completion for the remaining budget, so callers never see
+        ``finish_reason="abort"``.
+        """
+        enforce = kwargs.pop("enforce_max_prompt_length", True)
+        flags = (kwargs.pop("validate", False), kwargs.pop("is_validation", False))
+        validate = self.is_validation or any(flags)
+        session_id, application_id = kwargs.pop("session_id", None), kwargs.pop("application_id", None)
+        session_id = session_id or application_id
+        prompt = list(token_input)
+        if enforce and len(prompt) > self.max_prompt_length:
+            raise termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
+        params = self._sampling_params(kwargs, validate)
+        if self.request_seed is not None and params.get("seed") is None:
+            params["seed"] = self._derive_seed(prompt, validate)
+        budget = params.pop("max_tokens")
+        client = self._data_client(session_id)
+        tokens: list[int] = []
+        logprobs: list[float] | None = [] if params.get("logprobs") is not None else None
+        while True:
+            step_params = {**params, "max_tokens": budget - len(tokens)}
+            if tokens and params.get("seed") is not None:  # continuing after an abort: fresh numbers
+                step_params["seed"] = (params["seed"] + len(tokens)) % 2**63
+            if params.get("min_tokens"):
+                still_needed = params["min_tokens"] - len(tokens)
+                step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
+            out = await client.generate(
+                {
+                    "prompt_token_ids": [prompt + tokens],
+                    "sampling_params": step_params,
+                    "session_ids": [session_id] if session_id is not None else None,
+                },
+                model=self.model,
+            )
+            tokens.extend(out["response_ids"][0])
+            if logprobs is not None:
+                logprobs.extend(out["response_logprobs"][0] or [])
+            reason = out["stop_reasons"][0]
+            if reason != "abort" or len(tokens) >= budget:
+                break
+        if reason == "abort":  # the loop only stops on an abort once the budget is spent
+            reason = "length"
+        return TokenOutput(tokens[:budget], logprobs[:budget] if logprobs is not None else None, reason)
+
+    def assemble_model_output(self, token_input: list[int], token_output: TokenOutput) -> ModelOutput:
+        text = self.tokenizer.decode(token_output.token_ids, skip_special_tokens=True)
+        reasoning, content = _split_reasoning(text)
+        return ModelOutput(
+            text=text,
+            content=content,
+            reasoning=reasoning,
+            tool_calls=_parse_tool_calls(content),
+            prompt_ids=list(token_input),
+            completion_ids=list(token_output.token_ids),
+            logprobs=token_output.logprobs,
+            prompt_length=len(token_input),
+            completion_length=len(token_output.token_ids),
+            finish_reason=token_output.finish_reason,
+        )
+
+    def _sampling_params(self, kwargs: dict[str, Any], validate: bool) -> dict[str, Any]:
+        params = dict(self.val_sampling_params if validate else self.train_sampling_params)
+        max_tokens, max_new_tokens = kwargs.pop("max_tokens", None), kwargs.pop("max_new_tokens", None)
+        requested = max_tokens or max_new_tokens or params.get("max_tokens")
+        for key, value in kwargs.items():
+            if key in _SAMPLING_KEYS:
+                params[key] = value
+            elif key not in _WORKFLOW_KEYS and key not in self._warned_keys:
+                self._warned_keys.add(key)
+                logger.warning("SkyRLEngine ignores the unknown keyword argument %r", key)
+        if params.get("n", 1) != 1:
+            raise ValueError("n > 1 is not supported per call; run one rollout per sample instead")
+        params.pop("n", None)
+        params["max_tokens"] = min(requested or self.max_response_length, self.max_response_length)
+        return params
+
+    def _derive_seed(self, prompt: list[int], validate: bool) -> int:
+        """The ``k``-th request for ``prompt`` at the current weight version gets seed number ``k``.
+
+        Repeats of one task (``rollout.n``) are issued in a fixed order by the workflow engine, so
+        each rollout index maps to the same seed in every run.
+        """
+        if self._seed_version != self.weight_version:
+            self._seed_counts.clear()
+            self._seed_version = self.weight_version
+        digest = hashlib.sha256(array("q", prompt).tobytes()).digest()
+        key = (self.weight_version, validate, digest)
+        occurrence = self._seed_counts.get(key, 0)
+        self._seed_counts[key] = occurrence + 1
+        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:{occurrence}:".encode()
+        return int.from_bytes(hashlib.sha256(material + digest).digest()[:8], "big") >> 1
+
+    def _data_client(self, session_id: Any) -> Any:
+        if len(self.data_clients) == 1:
+            return self.data_clients[0]
+        if session_id is not None:
+            return self.data_clients[zlib.crc32(str(session_id).encode()) % len(self.data_clients)]
+        return self.data_clients[next(self._round_robin)]
+
+    # ------------------------------------------------------------------ memory
+    async def wake_up(self) -> None:
+        await self.client.wake_up()
+
+    async def close(self) -> None:
+        """Close the clients' HTTP sessions (inside the event loop that opened them)."""
+        for client in {id(c): c for c in [self.client, *self.data_clients]}.values():
+            await client.teardown()
+
+    async def sleep(self) -> None:
+        await self.client.sleep(level=self.sleep_level)
+
+
+def _split_reasoning(text: str) -> tuple[str, str]:
+    """``("<reasoning>", "<answer>")`` for ``<think>...</think>`` outputs, else ``("", text)``."""
+    if _THINK_END not in text:
+        return "", text
+    reasoning, _, content = text.partition(_THINK_END)
+    return reasoning.replace("<think>", "", 1).strip(), content.strip()
+
+
+def _parse_tool_calls(content: str) -> list[ToolCall]:
+    calls = []
+    for raw in _TOOL_CALL.findall(content):
+        try:
+            payload = json.loads(raw)
+            arguments = payload.get("arguments", {})
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            calls.append(ToolCall(name=str(payload["name"]), arguments=dict(arguments)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            logger.debug("skipping a malformed tool call: %r", raw)
+    return calls

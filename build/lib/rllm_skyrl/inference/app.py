@@ -1,0 +1,260 @@
+"""HTTP routes: the endpoints SkyRL's ``RemoteInferenceClient`` calls, with vLLM's payloads, plus ours.
+
+| route | who calls it |
+|---|---|
+| ``POST /inference/v1/generate`` | ``RemoteInferenceClient.generate`` / ``sample`` (token ids in and out) |
+| ``POST /v1/chat/completions``, ``/v1/completions`` | ``chat_completion`` / ``completion``, agent harnesses |
+| ``POST /tokenize``, ``/detokenize`` | the client when it has no local tokenizer |
+| ``POST /pause?mode=&clear_cache=``, ``/resume`` | weight sync |
+| ``POST /sleep?level=&tags=``, ``/wake_up?tags=``, ``GET /is_sleeping`` | colocated training |
+| ``POST /reset_prefix_cache``, ``GET /get_world_size`` | weight sync, start-up |
+| ``POST /skyrl/v1/load_lora_adapter``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` | LoRA sync |
+| ``POST /rllm_skyrl/v1/load_weights``, ``GET /rllm_skyrl/v1/weight_version`` | full-weight sync on CPU |
+
+Errors are ``{"error": {"message", "type", "code"}}``, which the client surfaces verbatim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rllm_skyrl.inference import openai_api
+from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference.sampling import SamplingParams
+from rllm_skyrl.inference.scheduler import GenerationResult
+from rllm_skyrl.inference.service import InferenceService
+
+SLEEP_TAGS = ("weights", "kv_cache")
+# SkyRL's GPU weight-transfer routes; on CPU the trainer writes HF weights and calls ours instead.
+_GPU_ONLY_ROUTES = (
+    "/update_weights",
+    "/fetch_weights",
+    "/collective_rpc",
+    "/start_weight_update",
+    "/finish_weight_update",
+    "/init_weight_transfer_engine",
+    "/skyrl/v1/generate",
+)
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(content=orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw:
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def token_logprobs(result: GenerationResult) -> dict[str, Any] | None:
+    """vLLM's ``logprobs.content`` for token-in/token-out responses (tokens named ``token_id:N``)."""
+    if result.logprobs is None:
+        return None
+    tops = result.top_logprobs or [[] for _ in result.token_ids]
+    return {
+        "content": [
+            {
+                "token": f"token_id:{token}",
+                "logprob": logprob,
+                "top_logprobs": [{"token": f"token_id:{t}", "logprob": v} for t, v in top],
+            }
+            for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
+        ]
+    }
+
+
+def build_app(service: InferenceService) -> FastAPI:
+    app = FastAPI(title="rllm_skyrl CPU inference server", docs_url=None, redoc_url=None)
+    scheduler = service.scheduler
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return json_response(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> Response:
+        message = f"internal error: {type(exc).__name__}: {exc}; see the server log"
+        return json_response(ApiError(500, message).body(), 500)
+
+    # ------------------------------------------------------------------ data plane
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        token_ids = body.get("token_ids")
+        if not isinstance(token_ids, list):
+            raise ApiError(400, "'token_ids' (a list of prompt token ids) is required")
+        if body.get("features"):
+            raise ApiError(400, "multi-modal features are not supported by the CPU inference server")
+        params = SamplingParams.from_dict(body.get("sampling_params"))
+        result = await service.generate(token_ids, params, service.resolve_model(body.get("model")))
+        choice = {
+            "index": 0,
+            "token_ids": result.token_ids,
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+            "logprobs": token_logprobs(result),
+        }
+        return json_response(
+            {"request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex}", "choices": [choice]}
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return json_response(await openai_api.chat_completion(service, await read_json(request)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return json_response(await openai_api.completion(service, await read_json(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await read_json(request)
+        if "messages" in body:
+            tokens = service.render_chat(body["messages"], tools=body.get("tools"))
+        elif isinstance(body.get("prompt"), str):
+            tokens = service.tokenizer.encode(
+                body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
+            )
+        else:
+            raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat) to tokenize")
+        return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": service.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await read_json(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise ApiError(400, "'tokens' (a list of token ids) is required")
+        return json_response({"prompt": service.tokenizer.decode(tokens)})
+
+    # ------------------------------------------------------------------ info
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        entries = [{"id": service.served_model_name, "root": service.model_dir, "parent": None}]
+        entries += [
+            {"id": name, "root": name, "parent": service.served_model_name} for name in scheduler.lora.names
+        ]
+        data = [
+            {"object": "model", "owned_by": "rllm_skyrl", "max_model_len": service.max_model_len, **e}
+            for e in entries
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/get_world_size")
+    async def world_size() -> Response:
+        return json_response({"world_size": 1})
+
+    @app.get("/rllm_skyrl/v1/weight_version")
+    async def weight_version() -> Response:
+        return json_response(
+            {"weight_version": scheduler.weight_version, "path": service.weights_path or service.model_dir}
+        )
+
+    @app.get("/rllm_skyrl/v1/stats")
+    async def stats() -> Response:
+        return json_response(
+            {
+                "running": scheduler.num_running,
+                "waiting": scheduler.num_waiting,
+                "paused": scheduler.paused,
+                "sleeping": sorted(scheduler.sleeping_tags),
+            }
+        )
+
+    # ------------------------------------------------------------------ control plane
+    @app.post("/pause")
+    async def pause(mode: str = "keep") -> Response:
+        # clear_cache is accepted and ignored: there is no prefix cache to clear.
+        await asyncio.wrap_future(scheduler.pause(mode.lower()))
+        return json_response({"status": "paused", "mode": mode.lower()})
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        await asyncio.wrap_future(scheduler.resume())
+        return json_response({"status": "resumed"})
+
+    @app.post("/sleep")
+    async def sleep(request: Request, level: int = 1) -> Response:
+        if level not in (1, 2):
+            raise ApiError(400, f"sleep level must be 1 or 2, got {level}")
+        tags = request.query_params.getlist("tags") or list(SLEEP_TAGS)
+        await service.sleep(tags)
+        return json_response({"status": "sleeping", "tags": tags})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request) -> Response:
+        tags = request.query_params.getlist("tags") or None
+        await service.wake_up(tags)
+        return json_response({"status": "awake", "sleeping": sorted(scheduler.sleeping_tags)})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> Response:
+        return json_response({"is_sleeping": bool(scheduler.sleeping_tags)})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        return json_response({"status": "ok"})  # no prefix cache: every request prefills in full
+
+    async def _load_lora(request: Request) -> Response:
+        body = await read_json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise ApiError(400, "'lora_name' and 'lora_path' are required (in-memory adapters need vLLM)")
+        await service.load_lora(name, path)
+        return json_response({"status": "ok", "lora_name": name})
+
+    app.post("/skyrl/v1/load_lora_adapter")(_load_lora)
+    app.post("/v1/load_lora_adapter")(_load_lora)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        body = await read_json(request)
+        if not body.get("lora_name"):
+            raise ApiError(400, "'lora_name' is required")
+        await service.unload_lora(body["lora_name"])
+        return json_response({"status": "ok", "lora_name": body["lora_name"]})
+
+    @app.post("/rllm_skyrl/v1/load_weights")
+    async def load_weights(request: Request) -> Response:
+        body = await read_json(request)
+        path, version = body.get("path"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            raise ApiError(400, "'path' (a directory written by save_pretrained) is required")
+        if version is not None and not isinstance(version, int):
+            raise ApiError(400, f"'weight_version' must be an integer, got {version!r}")
+        return json_response(await service.load_weights(path, version))
+
+    async def _gpu_only(request: Request) -> Response:
+        raise ApiError(
+            501,
+            f"{request.url.path} needs SkyRL's vLLM servers; on the CPU server write the weights with "
+            "save_pretrained and POST /rllm_skyrl/v1/load_weights {'path', 'weight_version'}",
+        )
+
+    for route in _GPU_ONLY_ROUTES:
+        app.post(route)(_gpu_only)
+
+    return app

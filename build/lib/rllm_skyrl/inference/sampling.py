@@ -1,0 +1,244 @@
+"""Sampling parameters (vLLM's names and meanings) and the batched sampler.
+
+Logprob convention: the logprob returned for a sampled token is
+``log_softmax(logits / temperature)[token]`` -- the distribution after temperature only, before
+top-k / top-p / min-p truncation and before the ``min_tokens`` stop-token mask. That is exactly
+what the trainer recomputes (``log_softmax(logits / algorithm.temperature)``), so the importance
+ratio between rollout and trainer logprobs is 1 up to float error when the weights match, which
+is what off-policy corrections and the tests rely on. With truncation active the reported value
+is therefore not the probability the token was drawn with; that is deliberate (vLLM's default
+"raw logprobs" mode makes the same choice). Greedy rows (temperature 0) report ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rllm_skyrl.inference.errors import ApiError
+
+# vLLM sampling keys we accept and ignore because they only change things we do not have
+# (output streaming kind, detokenizer spacing, prefix-cache reads, prompt logprob format).
+_IGNORED_KEYS = frozenset(
+    {
+        "output_kind",
+        "detokenize",
+        "spaces_between_special_tokens",
+        "skip_reading_prefix_cache",
+        "flat_logprobs",
+        "extra_args",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+        "routed_experts_prompt_start",
+    }
+)
+# Keys we accept only at their neutral value: they change the distribution and are not implemented.
+_NEUTRAL_KEYS = {
+    "n": 1,
+    "best_of": None,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "guided_decoding": None,
+    "structured_outputs": None,
+}
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, with vLLM's defaults and meanings."""
+
+    max_tokens: int | None = None  # None: fill the context window
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token plus top-k alternatives
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
+        """Validate a vLLM-style ``sampling_params`` dict; unknown or unsupported keys are a 400."""
+        raw = dict(raw or {})
+        params = cls()
+        for key, value in raw.items():
+            if value is None and key not in ("max_tokens", "seed", "logprobs"):
+                continue
+            if key in _IGNORED_KEYS:
+                continue
+            if key in _NEUTRAL_KEYS:
+                if value != _NEUTRAL_KEYS[key] and value != [] and value != {}:
+                    raise ApiError(
+                        400,
+                        f"sampling param {key}={value!r} is not supported by the CPU inference server; "
+                        f"leave it at {_NEUTRAL_KEYS[key]!r}",
+                    )
+                continue
+            if key == "stop":
+                value = [value] if isinstance(value, str) else list(value)
+            if key == "logprobs" and isinstance(value, bool):
+                value = 0 if value else None
+            if not hasattr(params, key):
+                supported = sorted(f for f in cls.__dataclass_fields__)
+                raise ApiError(400, f"unknown sampling param {key!r}; supported: {supported}")
+            setattr(params, key, value)
+        params._validate()
+        return params
+
+    def _validate(self) -> None:
+        def bad(msg: str) -> ApiError:
+            return ApiError(400, f"invalid sampling params: {msg}")
+
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be a positive integer or null, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.logprobs is not None and not (
+            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad(
+                f"logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop must be a string or a list of non-empty strings")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be a list of integers")
+        self.top_k = max(self.top_k, 0)
+        self.temperature = float(self.temperature)
+
+
+@dataclass
+class SampleResult:
+    """One decode step's draws: token ids, their logprobs and optional top-k alternatives."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]] | None
+
+
+class BatchSampler:
+    """Samples one token per row with per-row settings, vectorised over the batch.
+
+    Draws invert each row's CDF at one uniform number (``searchsorted``), which is exact and much
+    cheaper on CPU than ``multinomial`` or an exponential race over the whole vocabulary. Seeded
+    rows take their uniform from their own generator, so a seeded request reproduces regardless of
+    what it is batched with. ``generated`` counts each row's tokens so far (for ``min_tokens``).
+    """
+
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        rng: torch.Generator,
+        generated: list[int],
+        stop_ids: list[frozenset[int]],
+    ):
+        self.params = params
+        self.generators = generators
+        self.rng = rng
+        temps = [p.temperature for p in params]
+        self.greedy = torch.tensor([t == 0.0 for t in temps])
+        self.all_greedy = bool(self.greedy.all())
+        self.any_greedy = bool(self.greedy.any())
+        self.inv_temp = torch.tensor([1.0 / t if t > 0 else 1.0 for t in temps]).unsqueeze(1)
+        self.scale = any(t not in (0.0, 1.0) for t in temps)
+        self.top_k = torch.tensor([p.top_k for p in params])
+        self.top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+        self.min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+        self.use_top_k = bool((self.top_k > 0).any())
+        self.use_top_p = bool((self.top_p < 1).any())
+        self.use_min_p = bool((self.min_p > 0).any())
+        self.seeded = [i for i, g in enumerate(generators) if g is not None]
+        self.max_top = max((p.logprobs or 0) for p in params)
+        # min_tokens: stop tokens are banned for a row while it has fewer than min_tokens tokens.
+        self.generated = torch.tensor(generated)
+        self.min_tokens = torch.tensor([p.min_tokens for p in params])
+        self.steps_with_bans = int((self.min_tokens - self.generated).max()) if params else 0
+        self.stop_ids = stop_ids
+        self.stop_mask: torch.Tensor | None = None
+
+    def sample(self, logits: torch.Tensor) -> SampleResult:
+        """Draw one token per row of ``logits`` ([B, V], fp32)."""
+        scaled = logits * self.inv_temp if self.scale else logits
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        draw_from = logprobs
+        if self.steps_with_bans > 0:
+            banned = self._stop_mask(logits.shape[-1]) & (self.generated < self.min_tokens).unsqueeze(1)
+            draw_from = logprobs.masked_fill(banned, float("-inf"))
+            self.steps_with_bans -= 1
+        self.generated += 1
+        if self.all_greedy:
+            tokens = draw_from.argmax(dim=-1)
+        else:
+            tokens = self._draw(draw_from)
+            if self.any_greedy:
+                tokens = torch.where(self.greedy, draw_from.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top = None
+        if self.max_top > 0:
+            values, indices = logprobs.topk(self.max_top, dim=-1)
+            pairs = [
+                list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
+            ]
+            top = [row[: p.logprobs or 0] for row, p in zip(pairs, self.params, strict=True)]
+        return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+    def _stop_mask(self, vocab: int) -> torch.Tensor:
+        if self.stop_mask is None:
+            self.stop_mask = torch.zeros((len(self.params), vocab), dtype=torch.bool)
+            for row, ids in enumerate(self.stop_ids):
+                self.stop_mask[row, [t for t in ids if 0 <= t < vocab]] = True
+        return self.stop_mask
+
+    def _draw(self, logprobs: torch.Tensor) -> torch.Tensor:
+        if self.use_top_k or self.use_top_p or self.use_min_p:
+            logprobs = self._truncate(logprobs)
+        cdf = logprobs.exp().cumsum(dim=-1)
+        uniform = torch.rand((cdf.shape[0], 1), generator=self.rng)
+        for row in self.seeded:
+            uniform[row] = torch.rand(1, generator=self.generators[row])
+        tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        return tokens.clamp_(max=cdf.shape[-1] - 1)
+
+    def _truncate(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Mask tokens outside each row's top-k / nucleus / min-p set (at least one survives)."""
+        sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_lp, dtype=torch.bool)
+        ranks = torch.arange(sorted_lp.shape[-1]).unsqueeze(0)
+        if self.use_top_k:
+            k = torch.where(self.top_k > 0, self.top_k, sorted_lp.shape[-1]).unsqueeze(1)
+            drop |= ranks >= k
+        if self.use_top_p or self.use_min_p:
+            sorted_p = sorted_lp.exp()
+            if self.use_top_p:
+                mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+                drop |= mass_before >= self.top_p
+            if self.use_min_p:
+                drop |= sorted_p < self.min_p * sorted_p[:, :1]
+        drop[:, 0] = False
+        sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logprobs).scatter_(1, order, sorted_lp)

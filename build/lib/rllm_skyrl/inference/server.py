@@ -1,0 +1,110 @@
+"""``InferenceServer``: the CPU inference server as an object (uvicorn on a background thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from rllm_skyrl.inference.app import build_app
+from rllm_skyrl.inference.service import InferenceService
+
+
+class InferenceServer:
+    """Serve ``model_dir`` over HTTP in this process until ``stop()``.
+
+    ``port=0`` binds a free port; read it from ``url`` after ``start()``. Usable as a context
+    manager. The HTTP loop and the generation loop run on two daemon threads, so the caller's
+    thread stays free (tests drive it with SkyRL's own client from the same process).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        max_batch_size: int = 256,
+        max_prefill_tokens: int = 8192,
+        dtype: str = "float32",
+        seed: int = 0,
+        log_level: str = "warning",
+    ):
+        self.host = host
+        self.port = port
+        self.log_level = log_level
+        self.service = InferenceService(
+            model_dir,
+            served_model_name=served_model_name,
+            max_model_len=max_model_len,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens,
+            dtype=dtype,
+            seed=seed,
+        )
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        if self._uvicorn is None:
+            raise RuntimeError("the server is not running; call start() first")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.service.served_model_name
+
+    def start(self, timeout: float = 30.0) -> InferenceServer:
+        if self._uvicorn is not None:
+            return self
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            build_app(self.service),
+            log_level=self.log_level,
+            access_log=False,
+            timeout_keep_alive=5,  # SkyRL's client keeps idle connections 2 s; outlive that
+            backlog=4096,
+            timeout_graceful_shutdown=5,
+        )
+        self._uvicorn = uvicorn.Server(config)
+        self.service.start()
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._uvicorn.serve(sockets=[sock])),
+            name="rllm-skyrl-http",
+            daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"the inference server did not start on {self.host}:{self.port}; see the log above"
+                )
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        # Scheduler first: it fails whatever is still queued, so no HTTP handler is left waiting.
+        self.service.stop()
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+        self._uvicorn, self._thread = None, None
+
+    def __enter__(self) -> InferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,163 @@
+"""The run entry: train with the SkyRL backend, print a summary; ``rllm-skyrl plan`` for clusters.
+
+Bring-up and shutdown of Ray, workers and servers belong to ``runtime``; what is resolved from the
+config belongs to ``run_config``. This module only wires a Hydra app to the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def quiet_libraries(level: str | None = None) -> None:
+    """Keep the console for the run itself: SkyRL's start-up notes and per-request HTTP lines go.
+
+    ``RLLM_SKYRL_LOG_LEVEL=INFO`` brings them back; infrastructure logs are also in the run's
+    ``logs/`` directory.
+    """
+    import skyrl.utils.log  # noqa: F401  (sets SkyRL's logger to DEBUG on import: import it first)
+
+    level = (level or os.environ.get("RLLM_SKYRL_LOG_LEVEL") or "WARNING").upper()
+    for name in ("httpx", "skyrl", "ray"):
+        logging.getLogger(name).setLevel(level)
+    from loguru import logger as loguru_logger
+
+    loguru_logger.remove()
+    loguru_logger.add(sys.stderr, level=level)
+
+
+def hydra_cli_overrides() -> list[str]:
+    """The command-line overrides of the running Hydra app (empty outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def _import(path: str | type) -> type:
+    if not isinstance(path, str):
+        return path
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def run(
+    cfg,
+    workflow_class: str | type,
+    workflow_args: dict | None = None,
+    train_dataset=None,
+    val_dataset=None,
+) -> Path:
+    """Train with ``SkyRLBackend`` under the unified trainer; returns the run directory.
+
+    Uses this package's trainer (rLLM's call order and types); the backend is the same class
+    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``.
+    """
+    from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.standalone import UnifiedTrainer
+
+    quiet_libraries()
+    trainer = UnifiedTrainer(
+        backend_cls=SkyRLBackend,
+        config=cfg,
+        workflow_class=_import(workflow_class),
+        workflow_args=workflow_args,
+        train_dataset=train_dataset,
+        val_dataset=val_dataset,
+        backend_args={"cli_overrides": hydra_cli_overrides()},
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    run_dir = Path(trainer.tracking.run_dir)
+    print_summary(run_dir, read_metrics(run_dir))
+    return run_dir
+
+
+def print_summary(run_dir: Path, records: list[dict]) -> None:
+    """A few lines a user can act on: where the run is, and whether reward went up."""
+    train = [r for r in records if "reward/mean" in r]
+    lines = [f"run directory: {run_dir}", f"metrics: {run_dir / 'metrics.jsonl'}"]
+    if train:
+        window = max(1, min(10, len(train) // 4))
+        first = sum(r["reward/mean"] for r in train[:window]) / window
+        last = sum(r["reward/mean"] for r in train[-window:]) / window
+        lines.append(
+            f"steps: {train[-1]['step']}  reward/mean: {first:.3f} (first {window} steps) "
+            f"-> {last:.3f} (last {window})"
+        )
+    validation = {
+        k: v for k, v in (records[-1] if records else {}).items() if k.startswith("val/") and "pass@" in k
+    }
+    lines += [f"{key}: {value:.3f}" for key, value in sorted(validation.items())]
+    print("\n".join(lines), flush=True)
+
+
+def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
+    """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from skyrl.train.config.config import get_config_as_yaml_str
+
+    from rllm_skyrl.platform import Platform
+    from rllm_skyrl.run_config import resolve_run_config
+
+    init = (
+        initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
+        if config_dir
+        else initialize_config_module(config_module="rllm_skyrl.config", version_base=None)
+    )
+    with init:
+        cfg = compose(config_name, overrides=overrides)
+    run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
+    placement = run.skyrl.trainer.placement
+    roles = [
+        (role, getattr(placement, f"{role}_num_nodes"), getattr(placement, f"{role}_num_gpus_per_node"))
+        for role in run.roles
+    ]
+    urls = run.inference.urls
+    engines = len(urls) if urls else run.inference.num_engines
+    lines = ["# placement"]
+    lines += [
+        f"{role}: {nodes} node(s) x {gpus} GPU(s) = {nodes * gpus} training GPU(s)"
+        for role, nodes, gpus in roles
+    ]
+    lines.append(
+        f"inference: {engines} engine(s) "
+        + (f"at {list(urls)}" if urls else "started by the backend (vLLM on GPU, transformers on CPU)")
+    )
+    lines.append(
+        f"colocate_all: {placement.colocate_all}  colocate_policy_ref: {placement.colocate_policy_ref}"
+    )
+    total = sum(nodes * gpus for _, nodes, gpus in roles)
+    lines.append(f"total training GPUs: {total}")
+    return "\n".join(lines) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rllm-skyrl")
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan_parser = commands.add_parser(
+        "plan", help="print the resolved SkyRL config and placement; start nothing"
+    )
+    plan_parser.add_argument(
+        "--config-dir", default=None, help="directory of the run config (default: packaged)"
+    )
+    plan_parser.add_argument("--config-name", default="unified")
+    plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        print(plan(args.overrides, args.config_name, args.config_dir))
+
+
+if __name__ == "__main__":
+    main()

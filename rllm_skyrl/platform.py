@@ -1,0 +1,90 @@
+"""CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
+
+Everything that differs between a GPU cluster and a laptop is answered by one ``Platform`` object,
+built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL patches that make
+its workers run without CUDA stay in ``compat/cpu.py``; this module only decides whether they apply.
+
+| question | CUDA | CPU |
+|---|---|---|
+| servers (``server_kind``) | SkyRL's vLLM servers | this package's transformers servers |
+| weight sync (``weight_sync_method``) | SkyRL's in-memory transfer | HF save on disk + reload |
+| Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
+| SkyRL settings (``skyrl_overrides``) | ``flash_attn`` if installed | ``cpu.CPU_CONFIG_OVERRIDES`` |
+
+Servers given by URL (``inference.urls``) are used on either platform.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from rllm_skyrl.compat import cpu
+
+# Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at data-parallel
+# size 2 each. They only gate scheduling; nothing runs on them.
+CPU_LOGICAL_GPUS = 8
+
+SERVER_KINDS = ("external", "skyrl_vllm", "cpu_transformers")
+SYNC_METHODS = ("skyrl", "disk")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where a run trains and serves. ``cuda=False`` means SkyRL's workers run on CPU (gloo)."""
+
+    cuda: bool
+    flash_attn: bool = False
+
+    @classmethod
+    def detect(cls) -> Platform:
+        """This machine: CUDA if torch sees a GPU; flash-attn if it is installed (never on CPU)."""
+        cuda = cpu.cuda_available()
+        return cls(cuda=cuda, flash_attn=cuda and importlib.util.find_spec("flash_attn") is not None)
+
+    @classmethod
+    def gpu_cluster(cls) -> Platform:
+        """The platform ``rllm-skyrl plan`` describes from any machine: CUDA with flash-attn."""
+        return cls(cuda=True, flash_attn=True)
+
+    @property
+    def name(self) -> str:
+        return "cuda" if self.cuda else "cpu"
+
+    def server_kind(self, urls: list[str] | tuple[str, ...] | None) -> str:
+        """Given URLs, else SkyRL's vLLM servers on CUDA, else this package's CPU servers."""
+        if urls:
+            return "external"
+        return "skyrl_vllm" if self.cuda else "cpu_transformers"
+
+    @property
+    def weight_sync_method(self) -> str:
+        """``skyrl`` (SkyRL's transfer into vLLM) or ``disk`` (HF save, then every server reloads).
+
+        SkyRL has no from-disk path for full weights and its transfer needs vLLM and CUDA, so on
+        CPU the trainer writes HF weights and calls the server's own reload endpoint.
+        """
+        return "skyrl" if self.cuda else "disk"
+
+    def ray_resources(self, num_cpus: int | None = None) -> dict[str, Any]:
+        """Arguments for a local ``ray.init``: logical GPUs on CPU so SkyRL's placement runs unchanged."""
+        if self.cuda:
+            return {}
+        return {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
+
+    def skyrl_overrides(self) -> dict[str, Any]:
+        """SkyRL config values this platform forces over the user's (they cannot work otherwise)."""
+        if not self.cuda:
+            return dict(cpu.CPU_CONFIG_OVERRIDES)
+        # SkyRL imports flash-attn when trainer.flash_attn is on; without it, sdpa attention.
+        return {} if self.flash_attn else {"trainer.flash_attn": False}
+
+    def prepare_process(self) -> None:
+        """Make this process able to import and run SkyRL's workers (the CPU patches, on CPU)."""
+        if not self.cuda:
+            cpu.apply()
+
+    def ray_runtime_env(self) -> dict[str, Any]:
+        """Runtime-env entries every Ray worker needs: the CPU patches' setup hook, on CPU."""
+        return {} if self.cuda else {"worker_process_setup_hook": cpu.SETUP_HOOK}

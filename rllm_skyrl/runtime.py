@@ -1,0 +1,172 @@
+"""Everything a run starts, and stops again: Ray, SkyRL's worker groups, the model registry, the servers.
+
+The backend, the SFT example and the tests all bring a run up through ``Runtime.start`` and take it
+down through ``Runtime.shutdown``, which stops every part even when stopping one of them fails.
+What differs between CPU and CUDA is asked of ``run.platform``; nothing here decides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rllm_skyrl import weight_sync
+from rllm_skyrl.models import ModelRegistry
+from rllm_skyrl.platform import Platform
+from rllm_skyrl.run_config import RunConfig
+from rllm_skyrl.secret_masking import is_secret_key
+from rllm_skyrl.servers import ServerGroup, start_servers
+from rllm_skyrl.workers import SkyRLWorkers
+
+logger = logging.getLogger(__name__)
+
+
+def runtime_env_for(
+    platform: Platform, skyrl_cfg: Any, log_dir: str | Path | None = None, local: bool = True
+):
+    """SkyRL's own worker environment variables, plus whatever the platform needs in every worker.
+
+    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
+    writes runtime envs into its own logs. A local Ray's workers inherit this process's
+    environment anyway, so secrets are left out there; a cluster's other nodes still get them.
+    """
+    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    env_vars = dict(prepare_runtime_environment(skyrl_cfg))
+    if local:
+        env_vars = {key: value for key, value in env_vars.items() if not is_secret_key(key)}
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
+        os.environ["SKYRL_LOG_FILE"] = log_file
+        env_vars["SKYRL_LOG_FILE"] = log_file
+    return {"env_vars": env_vars, **platform.ray_runtime_env()}
+
+
+def start_ray(
+    skyrl_cfg: Any,
+    log_dir: str | Path | None = None,
+    num_cpus: int | None = None,
+    platform: Platform | None = None,
+) -> bool:
+    """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
+
+    With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started.
+    """
+    if ray.is_initialized():
+        return False
+    platform = platform or Platform.detect()
+    platform.prepare_process()
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining)
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    if joining:
+        logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
+    else:
+        ray.init(
+            runtime_env=runtime_env,
+            log_to_driver=False,
+            include_dashboard=False,
+            **platform.ray_resources(num_cpus),
+        )
+
+    from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+
+    sync_registries()
+    return True
+
+
+def load_tokenizer(model_path: str):
+    """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:  # any id works as padding: masks hide it
+        logger.warning(
+            "tokenizer of %s has no pad token; padding with eos %r", model_path, tokenizer.eos_token
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+class Runtime:
+    """One run's live parts. ``models`` trains by model id; ``servers`` serve rollouts (or None)."""
+
+    def __init__(self, run: RunConfig, tokenizer: Any) -> None:
+        self.run = run
+        self.tokenizer = tokenizer
+        self.owns_ray = False
+        self.workers: SkyRLWorkers | None = None
+        self.models: ModelRegistry | None = None
+        self.servers: ServerGroup | None = None
+        self.sync_dir = Path(run.checkpoint.root) / "sync"
+
+    @classmethod
+    def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
+        """Ray, then the workers of ``run.roles``, then (``serve``) the inference servers.
+
+        A failure part-way stops whatever had started before re-raising.
+        """
+        runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
+        try:
+            runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+            runtime.workers = SkyRLWorkers(
+                run.skyrl,
+                runtime.tokenizer,
+                total_training_steps=run.optimizer_steps,
+                roles=run.roles,
+                platform=run.platform,
+            )
+            runtime.models = ModelRegistry(runtime.workers)
+            if serve:
+                runtime.servers = start_servers(run, runtime.tokenizer)
+        except BaseException:
+            runtime.shutdown()
+            raise
+        return runtime
+
+    def connect_weight_sync(self, client: Any) -> None:
+        """Once the rollout client exists: wire SkyRL's transfer to it, where that is the method."""
+        weight_sync.prepare(self.run.platform.weight_sync_method, self.workers, client)
+
+    async def sync_weights(self, version: int) -> None:
+        """Make every server sample from the workers' current policy, labelled ``version``."""
+        await weight_sync.sync_weights(
+            self.run.platform.weight_sync_method, self.workers, self.servers, self.sync_dir, version
+        )
+
+    def shutdown(self) -> None:
+        """Stop servers, then workers, then Ray if we started it; every part even if one fails.
+
+        Safe to call twice. The first failure is re-raised once everything was tried.
+        """
+        errors: list[BaseException] = []
+        for stop in (self._stop_servers, self._stop_workers, self._stop_ray):
+            try:
+                stop()
+            except BaseException as error:  # noqa: BLE001 (keep stopping the rest)
+                logger.error("shutdown: %s failed: %s", stop.__name__.removeprefix("_stop_"), error)
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+    def _stop_servers(self) -> None:
+        servers, self.servers = self.servers, None
+        if servers is not None:
+            servers.stop()
+
+    def _stop_workers(self) -> None:
+        workers, self.workers, self.models = self.workers, None, None
+        if workers is not None:
+            workers.shutdown()
+
+    def _stop_ray(self) -> None:
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self.owns_ray = False

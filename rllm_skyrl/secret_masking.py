@@ -1,0 +1,159 @@
+"""Secrets stay out of everything a run writes: logs, config dumps, tracebacks, wandb.
+
+Secret-looking keys (``api_key``, ``HF_TOKEN``, ``clientSecret``...) lose their values in config
+dumps, and the values of secret environment variables and secret config keys are masked wherever
+they appear in log records (std ``logging`` and loguru) and in Hydra's ``.hydra/*.yaml`` files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+REDACTED = "<redacted>"
+_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+
+
+def is_secret_key(name: str) -> bool:
+    """True for ``api_key``, ``HF_TOKEN``, ``clientSecret``, ``password``... but not ``max_tokens``
+    or ``tokenizer``: the key is split into words and a word must be a secret word exactly."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    return any(word in _SECRET_WORDS for word in re.split(r"[^a-zA-Z0-9]+", spaced.lower()))
+
+
+def redact(value: Any) -> Any:
+    """A copy of a nested dict/list config with the values of secret-looking keys replaced."""
+    if isinstance(value, Mapping):
+        return {k: REDACTED if is_secret_key(str(k)) else redact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    return value
+
+
+MIN_SECRET_LENGTH = 6  # shorter values ("true", "1") are not masked wherever they appear
+
+
+def secret_values(config: Any = None, environ: Mapping[str, str] | None = None) -> set[str]:
+    """Values to mask: secret-looking environment variables and secret-looking config keys."""
+    environ = os.environ if environ is None else environ
+    found = {v for k, v in environ.items() if is_secret_key(k) and len(v) >= MIN_SECRET_LENGTH}
+
+    def walk(value: Any, secret: bool) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, secret or is_secret_key(str(key)))
+        elif isinstance(value, list | tuple):
+            for item in value:
+                walk(item, secret)
+        elif secret and isinstance(value, str) and len(value) >= MIN_SECRET_LENGTH and value != REDACTED:
+            found.add(value)
+
+    walk(config, False)
+    return found
+
+
+class SecretMasker(logging.Filter):
+    """Replaces known secret values in text; as a logging filter, in every record it passes."""
+
+    def __init__(self, values: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.values: set[str] = set()
+        self.add(values)
+
+    def add(self, values: Iterable[str]) -> None:
+        self.values |= {v for v in values if len(v) >= MIN_SECRET_LENGTH}
+        self._ordered = sorted(self.values, key=len, reverse=True)  # longest first: no partial leftovers
+
+    def mask(self, text: str) -> str:
+        for value in self._ordered:
+            if value in text:
+                text = text.replace(value, REDACTED)
+        return text
+
+    def mask_tree(self, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: self.mask_tree(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.mask_tree(v) for v in value]
+        return self.mask(value) if isinstance(value, str) else value
+
+    def mask_argv(self, argv: Iterable[str]) -> list[str]:
+        """``key=value`` arguments with a secret key lose their value; known values are masked."""
+        out = []
+        for arg in argv:
+            key, eq, _ = arg.partition("=")
+            out.append(f"{key}={REDACTED}" if eq and is_secret_key(key.split(".")[-1]) else self.mask(arg))
+        return out
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._ordered:
+            return True
+        message = record.getMessage()
+        masked = self.mask(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.mask(logging.Formatter().formatException(record.exc_info))
+        elif record.exc_text:
+            record.exc_text = self.mask(record.exc_text)
+        return True
+
+
+_MASKER = SecretMasker()
+
+
+def install_secret_masking(values: Iterable[str]) -> SecretMasker:
+    """Mask ``values`` in every log record this process emits from now on (logging and loguru)."""
+    _MASKER.add(values)
+    handlers = list(logging.getLogger().handlers)
+    if logging.lastResort is not None:
+        handlers.append(logging.lastResort)
+    for handler in handlers:
+        if _MASKER not in handler.filters:
+            handler.addFilter(_MASKER)
+    try:
+        from loguru import logger as loguru_logger
+
+        def patch(record: dict) -> None:
+            record["message"] = _MASKER.mask(record["message"])
+
+        loguru_logger.configure(patcher=patch)
+    except ImportError:
+        pass
+    return _MASKER
+
+
+def scrub_hydra_outputs(masker: SecretMasker) -> None:
+    """Hydra writes the composed config and the command-line overrides to ``.hydra/*.yaml``."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if not hydra_cfg.output_subdir:
+        return
+    for path in (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml"):
+        text = path.read_text()
+        lines = [_redact_yaml_line(line) for line in masker.mask(text).splitlines(keepends=True)]
+        if "".join(lines) != text:
+            path.write_text("".join(lines))
+
+
+_YAML_KEY_VALUE = re.compile(r"^(\s*(?:- )?)([\w.+~-]+)(\s*[:=]\s*)(\S.*?)(\s*)$")
+
+
+def _redact_yaml_line(line: str) -> str:
+    """``api_key: x`` and ``- wandb.api_key=x`` (an override) keep their key, lose their value."""
+    match = _YAML_KEY_VALUE.match(line.rstrip("\n"))
+    if not match or not is_secret_key(match.group(2).lstrip("+~").split(".")[-1]):
+        return line
+    if match.group(4) in ("null", "''", '""', "???", "{}", "[]"):
+        return line
+    newline = "\n" if line.endswith("\n") else ""
+    return f"{match.group(1)}{match.group(2)}{match.group(3)}{REDACTED}{newline}"

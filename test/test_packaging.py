@@ -1,0 +1,95 @@
+"""The Hydra configs in the top-level ``config/`` folder reach users of a wheel and of a checkout.
+
+The wheel is built from this checkout and installed into a scratch environment that sees the
+project's dependencies but not the checkout itself; every composition runs from a directory
+outside the repository, so nothing can be found by accident through the working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Composes the packaged entry config, and a bare app whose only config picks `rllm/backend=skyrl`
+# through the search-path plug-in; prints where the package came from and what was composed.
+COMPOSE = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    import rllm_skyrl
+
+    with initialize_config_module("rllm_skyrl.config", version_base=None):
+        packaged = compose("unified", overrides=["model.path=tiny", "rllm.rollout.n=3"])
+    app_dir = Path(sys.argv[1])
+    (app_dir / "app.yaml").write_text("defaults:\\n  - rllm/backend: skyrl\\n  - _self_\\n")
+    with initialize_config_dir(config_dir=str(app_dir), version_base=None):
+        plugged = compose("app", overrides=["model.path=tiny"])
+    print(json.dumps({
+        "package": rllm_skyrl.__file__,
+        "n": packaged.rllm.rollout.n,
+        "backend": plugged.rllm.backend,
+        "learning_rate": plugged.training.learning_rate,
+    }))
+    """
+)
+
+
+def _compose(python: str, cwd: Path, env: dict[str, str] | None = None) -> dict:
+    app_dir = cwd / "app"
+    app_dir.mkdir()
+    result = subprocess.run(
+        [python, "-c", COMPOSE, str(app_dir)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_editable_install_composes_from_outside_the_checkout(tmp_path):
+    report = _compose(sys.executable, tmp_path)
+    assert Path(report["package"]).is_relative_to(REPO)
+    assert report == {**report, "n": 3, "backend": "skyrl"}
+
+
+@pytest.mark.timeout(300)
+def test_wheel_carries_the_configs_and_composes_in_a_scratch_environment(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, REPO],
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    (wheel,) = wheels.glob("rllm_skyrl-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for config in ("unified.yaml", "rllm/base.yaml", "rllm/backend/skyrl.yaml"):
+        assert f"rllm_skyrl/config/{config}" in names, f"{config} missing from {wheel.name}"
+    assert "hydra_plugins/rllm_skyrl_searchpath/rllm_skyrl_searchpath.py" in names
+
+    # A fresh environment: the project's dependencies on its path, this package only from the wheel.
+    venv = tmp_path / "venv"
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(site)
+    (Path(site) / "project_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    report = _compose(python, tmp_path, env)
+    assert Path(report["package"]).is_relative_to(site)
+    assert report == {**report, "n": 3, "backend": "skyrl"}
