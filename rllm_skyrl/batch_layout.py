@@ -73,3 +73,16 @@ def row_slice(batch: TrainingInputBatch, start: int, end: int, dp_size: int) -> 
     metadata["pad_size"] = 0
     part.metadata = metadata
     return pad_to_multiple(part, dp_size)
+
+
+def select_rows(batch: TrainingInputBatch, rows: Sequence[int], dp_size: int) -> TrainingInputBatch:
+    """Any real rows (e.g. the rows of one role within a mini-batch), metadata to match, padded."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    part = TrainingInputBatch({key: None if value is None else value[index] for key, value in batch.items()})
+    metadata = dict(batch.metadata)
+    for key in ("uids", "row_ids"):
+        if key in metadata:
+            metadata[key] = [metadata[key][i] for i in rows]
+    metadata["pad_size"] = 0
+    part.metadata = metadata
+    return pad_to_multiple(part, dp_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 os.environ.setdefault("RLLM_SKYRL_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rLLM's DatasetRegistry reads RLLM_HOME when rllm.data is first imported: a scratch one per run.
+os.environ.setdefault("RLLM_HOME", tempfile.mkdtemp(prefix="rllm_home_"))
 
 
 @pytest.fixture(scope="session")

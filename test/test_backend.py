@@ -27,7 +27,7 @@ def unified_config(tmp_path, *overrides: str):
             overrides=[
                 "model.path=tiny",
                 f"training.default_local_dir={tmp_path}/ckpt",
-                f"+rllm.trainer.run_dir={tmp_path}/run",
+                f"rllm.trainer.run_dir={tmp_path}/run",
                 *overrides,
             ],
         )

@@ -205,7 +205,9 @@ def _backend(tmp_path, save_freq=2):
 
     backend = SkyRLBackend(OmegaConf.create({}))
     backend.run = SimpleNamespace(
-        checkpoint=CheckpointSettings(root=tmp_path, save_freq=save_freq), inference=InferenceSettings()
+        checkpoint=CheckpointSettings(root=tmp_path, save_freq=save_freq),
+        inference=InferenceSettings(),
+        async_training=False,
     )
     backend.checkpoints = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)))
 
@@ -245,7 +247,7 @@ def test_completed_steps_checkpoint_on_schedule_and_at_the_end(tmp_path):
     async def run(steps):
         for step in steps:
             state.global_step = step
-            backend._step_metrics, backend._updated = {}, step != 3  # step 3: an empty batch, no update
+            backend._updated = step != 3  # step 3: an empty batch, no update
             await backend.on_batch_end(state)
         await backend.on_train_end(state)
 
@@ -262,7 +264,7 @@ def test_an_exception_around_fit_is_not_taken_for_a_failed_step(tmp_path):
 
     async def fit():
         await backend.on_train_start(state)
-        backend._step_metrics, backend._updated = {}, True
+        backend._updated = True
         await backend.on_batch_end(state)
 
     try:

@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 import torch
 
+from rllm_skyrl.compat import rllm
 from rllm_skyrl.engine import (
     MAX_PROMPT_LENGTH_EXCEEDED,
     MAX_RESPONSE_LENGTH_EXCEEDED,
@@ -52,7 +53,7 @@ def test_model_output_fields(server, tiny_tokenizer):
     engine = make_engine(server, tiny_tokenizer)
     engine.weight_version = 3
     out = run(engine, lambda e: e.get_model_response(MESSAGES, application_id="task-1:0"))
-    assert isinstance(out, ModelOutput)
+    assert isinstance(out, rllm.model_output_class())  # rLLM's own class when rLLM is installed
     expected_prompt = tiny_tokenizer.encode(
         tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
         add_special_tokens=False,

@@ -12,7 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from rllm_skyrl.run_config.tree import hydra_cli_overrides
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["finish_run", "hydra_cli_overrides", "main", "plan", "print_summary", "quiet_libraries", "run"]
 
 
 def quiet_libraries(level: str | None = None) -> None:
@@ -30,13 +34,6 @@ def quiet_libraries(level: str | None = None) -> None:
 
     loguru_logger.remove()
     loguru_logger.add(sys.stderr, level=level)
-
-
-def hydra_cli_overrides() -> list[str]:
-    """The command-line overrides of the running Hydra app (empty outside one)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def _import(path: str | type) -> type:
@@ -63,15 +60,19 @@ def run(
     from rllm_skyrl.standalone import UnifiedTrainer
 
     quiet_libraries()
-    trainer = UnifiedTrainer(
-        backend_cls=SkyRLBackend,
-        config=cfg,
-        workflow_class=_import(workflow_class),
-        workflow_args=workflow_args,
-        train_dataset=train_dataset,
-        val_dataset=val_dataset,
-        backend_args={"cli_overrides": hydra_cli_overrides()},
-    )
+    try:
+        trainer = UnifiedTrainer(
+            backend_cls=SkyRLBackend,
+            config=cfg,
+            workflow_class=_import(workflow_class),
+            workflow_args=workflow_args,
+            train_dataset=train_dataset,
+            val_dataset=val_dataset,
+            backend_args={"cli_overrides": hydra_cli_overrides()},
+        )
+    except BaseException:  # the backend may have started Ray, workers and servers already
+        SkyRLBackend.shutdown_all()
+        raise
     try:
         trainer.fit()
     finally:
@@ -79,6 +80,22 @@ def run(
     run_dir = Path(trainer.tracking.run_dir)
     print_summary(run_dir, read_metrics(run_dir))
     return run_dir
+
+
+def finish_run(run_dir: str | Path) -> None:
+    """The end of a run under rLLM's trainer: the summary, and ``metrics.png`` from ``metrics.jsonl``."""
+    from rllm_skyrl.plot import plot_run
+    from rllm_skyrl.run_log import read_metrics
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    if not records:
+        return
+    try:
+        plot_run(run_dir)
+    except ValueError as error:  # nothing plottable was logged
+        logger.warning("no plot for %s: %s", run_dir, error)
+    print_summary(run_dir, records)
 
 
 def print_summary(run_dir: Path, records: list[dict]) -> None:

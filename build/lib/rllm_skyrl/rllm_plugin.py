@@ -86,9 +86,16 @@ class SkyRLTrainerLauncher:
         self.kwargs = {name: value for name, value in kwargs.items() if name not in _GATEWAY_ARGUMENTS}
 
     def train(self) -> None:
-        """Build rLLM's trainer, fit, and shut it down (servers, workers, Ray) even when fit fails."""
+        """Build rLLM's trainer, fit, and shut it down (servers, workers, Ray) even when fit fails.
+
+        Every record rLLM's logger writes also goes to ``<rllm.trainer.run_dir>/metrics.jsonl``; at
+        the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
+        """
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.launcher import hydra_cli_overrides
+        from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, quiet_libraries
+        from rllm_skyrl.run_log import mirror_logger
+
+        quiet_libraries()
 
         backend_cls = self.backend_cls
         if backend_cls is None:
@@ -108,10 +115,17 @@ class SkyRLTrainerLauncher:
                 store=self.store,
                 **self.kwargs,
             )
+            run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
+            mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
             trainer.fit()
         finally:
             if trainer is not None:
                 trainer.shutdown()
+            else:  # the trainer failed to build after the backend had started its runtime
+                from rllm_skyrl.backend import SkyRLBackend
+
+                SkyRLBackend.shutdown_all()
+        finish_run(run_dir)
 
 
 def register() -> None:
