@@ -27,7 +27,8 @@ def digit_datasets(train_rows: int = 4096, val_rows: int = 50, seed: int = 0):
     """Register the digit rows with rLLM's dataset registry (parquet under $RLLM_HOME) and load them."""
     DatasetRegistry.register_dataset(DATA_SOURCE, make_rows(train_rows, seed=seed), "train")
     DatasetRegistry.register_dataset(DATA_SOURCE, make_rows(val_rows, seed=seed + 1), "test")
-    return DatasetRegistry.load_dataset(DATA_SOURCE, "train"), DatasetRegistry.load_dataset(DATA_SOURCE, "test")
+    train = DatasetRegistry.load_dataset(DATA_SOURCE, "train")
+    return train, DatasetRegistry.load_dataset(DATA_SOURCE, "test")
 
 
 @hydra.main(config_path="pkg://rllm.trainer.config", config_name="unified", version_base=None)
