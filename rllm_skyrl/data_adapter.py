@@ -149,10 +149,7 @@ class _Row:
             self.prompt_ids,
             self.prompt_ids[:0],
         )
-
-    @property
-    def length(self) -> int:
-        return len(self.last_prompt) + len(self.last_response)
+        self.length = len(self.prompt_ids)
 
     @property
     def response_length(self) -> int:
@@ -163,8 +160,8 @@ class _Row:
         held, split = self.length, len(self.last_prompt)
         return (
             len(prompt_ids) >= held
-            and np.array_equal(prompt_ids[:split], self.last_prompt)
-            and np.array_equal(prompt_ids[split:held], self.last_response)
+            and bool((prompt_ids[:split] == self.last_prompt).all())
+            and bool((prompt_ids[split:held] == self.last_response).all())
         )
 
     def append(self, step_index: int, prompt_ids: np.ndarray, response: Piece) -> None:
@@ -175,6 +172,7 @@ class _Row:
         self.pieces.append(response)
         self.model_tokens += len(response.ids)
         self.last_step, self.last_prompt, self.last_response = step_index, prompt_ids, response.ids
+        self.length = len(prompt_ids) + len(response.ids)
 
     @property
     def step_span(self) -> str:

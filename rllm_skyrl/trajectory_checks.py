@@ -37,7 +37,7 @@ import struct
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -168,62 +168,74 @@ def int_ids(label: str, index: int | None, name: str, value: Any, vocab_size: in
     def bad(problem: str, remedy: str) -> MalformedTrajectoryError:
         return MalformedTrajectoryError(label, index, name, problem, remedy)
 
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
-        ids = value
-    elif isinstance(value, list | tuple):
+    from_list = isinstance(value, list | tuple)
+    if from_list:
         ids = _packed(value, "q")
         if ids is None:
             position, item = _first_rejected(value, "q")
             raise bad(
                 f"element {position} is {_show(item)}", "token ids must be integers (int or numpy integer)"
-            ) from None
+            )
+    elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        ids = value
+    else:
+        raise bad(_container_problem(value, "integer"), "pass the token ids as a list of ints")
+    if not ids.size:
+        return ids.astype(np.int64)
+    low, high = int(np.minimum.reduce(ids)), int(np.maximum.reduce(ids))
+    if from_list and low <= 1:  # a bool reads as 0 or 1
         position = _first_bool(value, np.flatnonzero(ids.view(np.uint64) <= 1))
         if position is not None:
             raise bad(
                 f"element {position} is {value[position]!r} (a bool)", "token ids must be integers, not bool"
             )
-    else:
-        raise bad(_container_problem(value, "integer"), "pass the token ids as a list of ints")
-    if ids.size:
-        limit = _INT64_LIMIT if vocab_size is None else vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= limit:
-            position = next(i for i, t in enumerate(ids.tolist()) if not 0 <= t < limit)
-            span = "[0, 2**63)" if vocab_size is None else f"the vocabulary [0, {vocab_size})"
-            raise bad(
-                f"token id {int(ids[position])} at position {position} is outside {span}",
-                "the sampler returned an id the trainer's model cannot embed; check both use the same model",
-            )
-    return ids.astype(np.int64, copy=False)
+    limit = _INT64_LIMIT if vocab_size is None else vocab_size
+    if low < 0 or high >= limit:
+        position = next(i for i, t in enumerate(ids.tolist()) if not 0 <= t < limit)
+        span = "[0, 2**63)" if vocab_size is None else f"the vocabulary [0, {vocab_size})"
+        raise bad(
+            f"token id {int(ids[position])} at position {position} is outside {span}",
+            "the sampler returned an id the trainer's model cannot embed; check both use the same model",
+        )
+    return ids if from_list else ids.astype(np.int64, copy=False)
 
 
-def real_values(label: str, index: int | None, name: str, value: Any, length: int, remedy: str) -> np.ndarray:
-    """A list/tuple of real numbers or a 1-D numeric numpy array of ``length`` finite values -> float64."""
+def real_values(
+    label: str, index: int | None, name: str, value: Any, length: int, remedy: str, at_most: float = math.inf
+) -> np.ndarray:
+    """A list/tuple of real numbers or a 1-D numeric numpy array -> float64: ``length`` finite values,
+    none above ``at_most``."""
 
     def bad(problem: str, fix: str = remedy) -> MalformedTrajectoryError:
         return MalformedTrajectoryError(label, index, name, problem, fix)
 
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iuf":
-        values = value.astype(np.float64, copy=False)
-    elif isinstance(value, list | tuple):
+    from_list = isinstance(value, list | tuple)
+    if from_list:
         values = _packed(value, "d")
         if values is None:
             position, item = _first_rejected(value, "d")
-            raise bad(
-                f"element {position} is {_show(item)}", "values must be real numbers (float or int)"
-            ) from None
+            raise bad(f"element {position} is {_show(item)}", "values must be real numbers (float or int)")
+    elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iuf":
+        values = value.astype(np.float64, copy=False)
+    else:
+        raise bad(_container_problem(value, "number"), f"pass one number per response token; {remedy}")
+    if len(values) != length:
+        raise bad(f"{len(values)} values for {length} response tokens")
+    if not length:
+        return values
+    low, high = float(np.minimum.reduce(values)), float(np.maximum.reduce(values))  # NaN -> NaN
+    if from_list and low <= 1.0 and high >= 0.0:  # a bool reads as 0.0 or 1.0
         position = _first_bool(value, np.flatnonzero((values == 0.0) | (values == 1.0)))
         if position is not None:
             raise bad(
                 f"element {position} is {value[position]!r} (a bool)", "values must be real numbers, not bool"
             )
-    else:
-        raise bad(_container_problem(value, "number"), f"pass one number per response token; {remedy}")
-    if len(values) != length:
-        raise bad(f"{len(values)} values for {length} response tokens")
-    finite = np.isfinite(values)
-    if not finite.all():
-        position = int(np.flatnonzero(~finite)[0])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        position = int(np.flatnonzero(~np.isfinite(values))[0])
         raise bad(f"element {position} is {values[position]}")
+    if high > at_most:
+        position = int(np.flatnonzero(values > at_most)[0])
+        raise bad(f"element {position} is {values[position]}, above {at_most}")
     return values
 
 
@@ -331,8 +343,7 @@ def check_trajectory(trajectory: Any, label: str, config: RowRules) -> Trajector
     return TrajectoryFacts(list(steps), reward)
 
 
-@dataclass(frozen=True)
-class StepFields:
+class StepFields(NamedTuple):
     """One step's checked arrays; ``advantages`` is a scalar when it is one value for every token."""
 
     prompt_ids: np.ndarray
@@ -408,17 +419,9 @@ def step_fields(
         "logprobs",
         _required(label, index, step, "logprobs"),
         n,
-        "the rollout engine must return one finite logprob per sampled token",
+        "the rollout engine must return one log p <= 0 per sampled token (logprobs, not logits)",
+        at_most=LOGPROB_TOLERANCE,
     )
-    if n and logprobs.max() > LOGPROB_TOLERANCE:
-        position = int(np.flatnonzero(logprobs > LOGPROB_TOLERANCE)[0])
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "logprobs",
-            f"element {position} is {logprobs[position]}, a positive log-probability",
-            "logprobs must be log p <= 0 of the sampled token; check the engine returns logprobs, not logits",
-        )
     if not needs_advantages:
         return StepFields(prompt_ids, response_ids, logprobs, None)
     if advantage is not None:
