@@ -44,6 +44,7 @@ from rllm_skyrl.trajectory_checks import (
     check_trajectory,
     group_label,
     int_ids,
+    outcome_reward,
     real_scalar,
     step_fields,
     step_lineage,
@@ -139,7 +140,7 @@ class _Row:
     group_id: str
     prompt_ids: np.ndarray
     first_step: int
-    reward: float
+    reward: float = 0.0
     pieces: list[Piece] = field(default_factory=list)
     model_tokens: int = 0
 
@@ -210,12 +211,12 @@ def _trajectory_rows(
     """
     label = trajectory_label(group, traj_index)
     group_id = check_group_id(group, label)
-    facts = check_trajectory(trajectory, label, config)
+    steps = check_trajectory(trajectory, label, config)
     scalar = None
     if advantage is not _NO_ADVANTAGE:
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
-    for lineage in _lineages(label, facts.steps):
+    for lineage in _lineages(label, steps):
         row: _Row | None = None
         for index, step in lineage:
             fields = step_fields(label, index, step, config, scalar, needs_advantages)
@@ -224,7 +225,7 @@ def _trajectory_rows(
                     raise MalformedTrajectoryError(
                         label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                     )
-                row = _Row(label, group_id, fields.prompt_ids, first_step=index, reward=facts.reward)
+                row = _Row(label, group_id, fields.prompt_ids, first_step=index)
                 rows.append(row)
             row.append(
                 index, fields.prompt_ids, Piece(fields.response_ids, True, fields.logprobs, fields.advantages)
@@ -238,7 +239,10 @@ def _trajectory_rows(
                     f"more than max_seq_len={config.max_seq_len}",
                     "raise max_seq_len or cap the rollout's prompt and response lengths",
                 )
-    return rows, len(facts.steps)
+    reward = outcome_reward(trajectory, label, config)
+    for row in rows:
+        row.reward = reward
+    return rows, len(steps)
 
 
 _NO_ADVANTAGE = object()

@@ -35,7 +35,6 @@ import math
 import operator
 import struct
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from numbers import Integral
 from typing import Any, NamedTuple, Protocol
 
@@ -302,16 +301,8 @@ def check_group_id(group: Any, label: str) -> str:
     return group_id
 
 
-@dataclass(frozen=True)
-class TrajectoryFacts:
-    """A checked trajectory: its steps and its outcome reward (0 when advantages come with the steps)."""
-
-    steps: list[Any]
-    reward: float
-
-
-def check_trajectory(trajectory: Any, label: str, config: RowRules) -> TrajectoryFacts:
-    """Trajectory-level checks: role, steps, outcome reward."""
+def check_trajectory(trajectory: Any, label: str, config: RowRules) -> list[Any]:
+    """Trajectory-level checks (role, steps); returns the steps."""
     if config.allowed_roles is not None:
         role = getattr(trajectory, "name", None)
         if not isinstance(role, str) or role not in config.allowed_roles:
@@ -329,6 +320,15 @@ def check_trajectory(trajectory: Any, label: str, config: RowRules) -> Trajector
         )
     if not steps:
         raise MalformedTrajectoryError(label, None, "steps", "no steps", "a trajectory needs a model call")
+    return list(steps)
+
+
+def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
+    """The checked outcome reward (0 when advantages come with the steps and there is none).
+
+    Read after the steps are checked, so a broken last step is reported as itself rather than as
+    a missing fallback reward.
+    """
     reward = _outcome_reward_source(trajectory)
     if reward is None and not config.use_precomputed_advantages:
         raise MalformedTrajectoryError(
@@ -339,8 +339,7 @@ def check_trajectory(trajectory: Any, label: str, config: RowRules) -> Trajector
             "set Trajectory.reward (or the last step's reward)",
         )
     remedy = "the reward function must return a finite number"
-    reward = 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
-    return TrajectoryFacts(list(steps), reward)
+    return 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
 
 
 class StepFields(NamedTuple):

@@ -249,7 +249,7 @@ MALFORMED = [
         bad(logprobs=[-0.1] * 17),
         BatchConfig(pad_token_id=PAD),
         "episode 'task-3:1' (role 'solver') step 2, logprobs: 17 values for 18 response tokens; "
-        "the rollout engine must return one finite logprob per sampled token",
+        "the rollout engine must return one log p <= 0 per sampled token",
         "logprobs",
     ),
     (
