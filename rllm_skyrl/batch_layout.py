@@ -51,6 +51,13 @@ class RowSpec:
         return sum(len(piece.ids) for piece in self.pieces)
 
 
+def _trailing_ones(lengths: np.ndarray, width: int) -> np.ndarray:
+    """``[B, width]`` int64 masks whose last ``lengths[i]`` entries of row ``i`` are 1."""
+    mask = np.empty((len(lengths), width), dtype=np.int64)
+    np.greater_equal(np.arange(width)[None, :], (width - lengths)[:, None], out=mask, casting="unsafe")
+    return mask
+
+
 def build_rows(
     pad_token_id: int, rows: Sequence[RowSpec], *, logprobs: bool, advantages: bool
 ) -> dict[str, torch.Tensor]:
@@ -96,9 +103,8 @@ def build_rows(
             position += n
             column += n
     rewards[:, width - 1] = [row.reward for row in rows]
-    pad_lens = max_total - (prompt_lens + response_lens)
-    attention_mask = (np.arange(max_total)[None, :] >= pad_lens[:, None]).astype(np.int64)
-    response_mask = (np.arange(width)[None, :] >= (width - response_lens)[:, None]).astype(np.int64)
+    attention_mask = _trailing_ones(prompt_lens + response_lens, max_total)
+    response_mask = _trailing_ones(response_lens, width)
     out = {
         "sequences": torch.from_numpy(sequences),
         "attention_mask": torch.from_numpy(attention_mask),

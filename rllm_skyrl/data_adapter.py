@@ -158,11 +158,11 @@ class _Row:
 
     def extended_by(self, prompt_ids: np.ndarray) -> bool:
         """Whether a step with this prompt continues the row (its prompt starts with the row so far)."""
-        held, split = self.length, len(self.last_prompt)
-        return (
-            len(prompt_ids) >= held
-            and bool((prompt_ids[:split] == self.last_prompt).all())
-            and bool((prompt_ids[split:held] == self.last_response).all())
+        if len(prompt_ids) < self.length:
+            return False
+        raw = _raw(prompt_ids)
+        return raw.startswith(_raw(self.last_prompt)) and raw.startswith(
+            _raw(self.last_response), self.last_prompt.nbytes
         )
 
     def append(self, step_index: int, prompt_ids: np.ndarray, response: Piece) -> None:
@@ -187,6 +187,12 @@ class _Row:
 
     def spec(self) -> RowSpec:
         return RowSpec(self.prompt_ids, self.pieces, self.reward)
+
+
+def _raw(ids: np.ndarray) -> bytes:
+    """A step's int64 ids as bytes, for a memcmp prefix test: the buffer they were packed into, or a copy."""
+    base = ids.base
+    return base if type(base) is bytes and len(base) == ids.nbytes else ids.tobytes()
 
 
 def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:

@@ -240,6 +240,8 @@ def real_values(
 
 def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: str) -> float:
     """One finite real number (see the module docstring), as a Python float."""
+    if type(value) is float and math.isfinite(value):  # the common case, without packing
+        return value
     if _is_bool(value) or isinstance(value, _TEXT):
         raise MalformedTrajectoryError(label, index, name, f"is {_show(value)}, not a number", remedy)
     packed = _packed([value], "d")
