@@ -6,9 +6,12 @@ pydantic types and ``rllm_skyrl.types`` both work:
 ``Trajectory(uid, name=role, steps, reward)``,
 ``Step(prompt_ids, response_ids, logprobs, reward, advantage, metadata)``.
 
-Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``, built by its own
-``convert_prompts_responses_to_batch_tensors``): ``sequences`` left-padded
-``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``.
+Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``): ``sequences`` left-padded
+``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``. The rows
+are written by ``batch_layout.build_rows``, which produces exactly what SkyRL's
+``convert_prompts_responses_to_batch_tensors`` does (the tests hold it to that) from numpy arrays
+instead of per-token Python lists. Every field is checked and read once, vectorised
+(``trajectory_checks``), before any tensor is built.
 
 Multi-turn merging: a step whose prompt starts with everything the row holds so far (previous
 prompt + previous responses) continues that row. The extra prompt tokens are observations
@@ -143,13 +146,14 @@ class _Row:
     reward: float = 0.0
     pieces: list[Piece] = field(default_factory=list)
     model_tokens: int = 0
+    last_step: int = field(init=False)
+    last_prompt: np.ndarray = field(init=False)
+    last_response: np.ndarray = field(init=False)
+    length: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.last_step, self.last_prompt, self.last_response = (
-            self.first_step,
-            self.prompt_ids,
-            self.prompt_ids[:0],
-        )
+        self.last_step = self.first_step
+        self.last_prompt, self.last_response = self.prompt_ids, self.prompt_ids[:0]
         self.length = len(self.prompt_ids)
 
     @property
@@ -203,6 +207,9 @@ def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
     return list(by_lineage.values())
 
 
+_NO_ADVANTAGE = object()
+
+
 def _trajectory_rows(
     group: Any,
     traj_index: int,
@@ -249,9 +256,6 @@ def _trajectory_rows(
     for row in rows:
         row.reward = reward
     return rows, len(steps)
-
-
-_NO_ADVANTAGE = object()
 
 
 def trajectory_groups_to_batch(
