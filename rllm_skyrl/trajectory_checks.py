@@ -3,15 +3,16 @@
 Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step and
 the field, and saying what to fix; ``data_adapter`` raises it, or drops the trajectory and counts
 it when ``drop_malformed`` is on. Inputs are read by attribute, so rLLM's pydantic types and
-``rllm_skyrl.types`` both work. Nothing is coerced: a value is either what the tensors receive
-(ids as int64, reals as float32) or the trajectory is rejected.
+``rllm_skyrl.types`` both work. Nothing is coerced: a value either reaches the tensors as itself
+(ids as int64, reals rounded to float32 as SkyRL's own builder does) or the trajectory is rejected.
 
 What is accepted (only fields the conversion reads are checked):
 
-* integers: what ``operator.index`` accepts (``int``, numpy integer scalars), never ``bool`` /
-  ``numpy.bool_``; no floats (not even ``3.0``), no strings.
-* real numbers: what ``float()`` accepts without parsing text (``float``, ``int``, numpy scalars,
-  ``Decimal``, ``Fraction``), never ``bool`` / ``numpy.bool_``, never ``str`` or ``bytes``; finite.
+* integers: what ``operator.index`` accepts (``int``, numpy integer scalars, 0-d integer arrays),
+  never ``bool`` / ``numpy.bool_``; no floats (not even ``3.0``), no strings.
+* real numbers: what ``float()`` accepts without parsing text (``float``, ``int``, numpy and torch
+  scalars, ``Decimal``, ``Fraction``), never ``bool`` / ``numpy.bool_``, never ``str`` or
+  ``bytes``; finite and within float32's range (the tensors are float32).
 * id and value lists: a ``list`` or ``tuple`` of such numbers, or a 1-D numpy array of an integer
   (ids) or integer/float (values) dtype. Anything else (``None``, strings, sets, tensors, nested
   lists) is rejected.
@@ -22,7 +23,8 @@ What is accepted (only fields the conversion reads are checked):
 * ``trajectory.reward``: ``None`` (then the last step's ``reward``) or a finite real.
 * ``trajectory.steps``: a non-empty list or tuple; ``group.trajectories``: a list or tuple;
   ``group.group_id``: a non-empty ``str`` (it becomes SkyRL's uid); ``trajectory.name``: a
-  configured role when roles are configured.
+  configured role when roles are configured. ``group.metadata`` and ``trajectory.uid`` only name
+  things in messages and are used when usable.
 
 Element checks are vectorised: a list is packed in one ``struct.pack`` call (C code that rejects
 what is not an integer / real number, a few ns per element) and checked with numpy; only elements
@@ -48,6 +50,7 @@ import torch
 LOGPROB_TOLERANCE = 1e-4
 
 _INT64_LIMIT = 2**63
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _TEXT = (str, bytes, bytearray)
 
 
@@ -77,7 +80,7 @@ def group_role(group: Any) -> str:
     """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role`` defines it.
 
     Never raises: a group without a usable id counts as ``"all_groups"`` here and is rejected by
-    ``check_group`` when it is converted.
+    ``check_group_id`` when it is converted.
     """
     role = getattr(group, "group_role", None)
     if isinstance(role, str) and role:
@@ -232,6 +235,9 @@ def real_values(
     if not (math.isfinite(low) and math.isfinite(high)):
         position = int(np.flatnonzero(~np.isfinite(values))[0])
         raise bad(f"element {position} is {values[position]}")
+    if low < -_FLOAT32_MAX or high > _FLOAT32_MAX:
+        position = int(np.flatnonzero(np.abs(values) > _FLOAT32_MAX)[0])
+        raise bad(f"element {position} is {values[position]}, outside float32's range")
     if high > at_most:
         position = int(np.flatnonzero(values > at_most)[0])
         raise bad(f"element {position} is {values[position]}, above {at_most}")
@@ -240,7 +246,7 @@ def real_values(
 
 def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: str) -> float:
     """One finite real number (see the module docstring), as a Python float."""
-    if type(value) is float and math.isfinite(value):  # the common case, without packing
+    if type(value) is float and abs(value) <= _FLOAT32_MAX:  # the common case, without packing (NaN fails)
         return value
     if _is_bool(value) or isinstance(value, _TEXT):
         raise MalformedTrajectoryError(label, index, name, f"is {_show(value)}, not a number", remedy)
@@ -250,6 +256,8 @@ def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: st
     number = float(packed[0])
     if not math.isfinite(number):
         raise MalformedTrajectoryError(label, index, name, f"is {number}", remedy)
+    if abs(number) > _FLOAT32_MAX:
+        raise MalformedTrajectoryError(label, index, name, f"is {number}, outside float32's range", remedy)
     return number
 
 

@@ -142,6 +142,8 @@ REJECTED = [
     ("1.logprobs[0]", math.nan, "logprobs", 1, "element 0 is nan"),
     ("1.logprobs[0]", -math.inf, "logprobs", 1, "element 0 is -inf"),
     ("1.logprobs[0]", 5.0, "logprobs", 1, "element 0 is 5.0, above 0.0001"),
+    ("1.logprobs[0]", -1e39, "logprobs", 1, "element 0 is -1e+39, outside float32's range"),
+    ("reward", 10**39, "reward", None, "reward: is 1e+39, outside float32's range"),
     ("1.logprobs", [-1.0], "logprobs", 1, "1 values for 2 response tokens"),
     ("1.logprobs", None, "logprobs", 1, "is None, not a list of numbers"),
     ("1.logprobs", np.array([True, False]), "logprobs", 1, "numpy array of dtype bool"),
