@@ -7,7 +7,9 @@ lists and laid out by SkyRL's own ``convert_prompts_responses_to_batch_tensors``
 trajectories, 1,024 prompt + 3,072 response tokens per row), single-turn and 4 turns with
 observation tokens between them; every list is a fresh Python list, as a tokenizer or the engine's
 JSON hands them over. Runs alternate between the two sides so background load hits both alike;
-the median of ``--repeats`` runs is reported, and the two batches are checked to be bit-identical.
+the median of ``--repeats`` runs is reported, in wall-clock and in this process's CPU time (the
+fairer number on a machine shared with other work; the load average is printed), and the two
+batches are checked to be bit-identical.
 
     python -m bench.bench_adapter [--repeats 5] [--groups 64] [--per-group 8]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -30,7 +33,7 @@ from rllm_skyrl.data_adapter import BatchConfig, trajectory_groups_to_batch
 from rllm_skyrl.types import Step, Trajectory, TrajectoryGroup
 
 VOCAB = 151_936  # Qwen-sized
-WIDTHS = (12, 10, 17, 12, 10)
+WIDTHS = (6, 12, 10, 17, 12, 10)
 
 
 def make_groups(
@@ -134,7 +137,8 @@ def baseline_to_batch(
 # ------------------------------------------------------------------------------------------ main
 
 
-def measure(groups: list[TrajectoryGroup], repeats: int) -> tuple[float, float, int]:
+def measure(groups: list[TrajectoryGroup], repeats: int) -> tuple[dict[str, dict[str, float]], int]:
+    """Median wall-clock and CPU seconds per conversion, per side, after checking both agree."""
     config = BatchConfig(pad_token_id=0, dp_size=8, max_seq_len=8192, vocab_size=VOCAB)
     advantages = [[0.5 - (t % 2) for t in range(len(g.trajectories))] for g in groups]
     new, _ = trajectory_groups_to_batch(groups, config, advantages)
@@ -144,20 +148,22 @@ def measure(groups: list[TrajectoryGroup], repeats: int) -> tuple[float, float, 
         assert new[key].dtype == old[key].dtype and torch.equal(new[key], old[key]), f"{key} differs"
     assert new.metadata["uids"] == old.metadata["uids"]
     tokens = int(new["attention_mask"].sum())
-    times: dict[str, list[float]] = {"baseline": [], "new": []}
+    times: dict[str, dict[str, list[float]]] = {side: {"wall": [], "cpu": []} for side in ("baseline", "new")}
     for _ in range(repeats):
         for side, convert in (
             ("baseline", lambda: baseline_to_batch(groups, config, advantages)),
             ("new", lambda: trajectory_groups_to_batch(groups, config, advantages)),
         ):
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             convert()
-            times[side].append(time.perf_counter() - start)
-    return statistics.median(times["baseline"]), statistics.median(times["new"]), tokens
+            times[side]["cpu"].append(time.process_time() - cpu)
+            times[side]["wall"].append(time.perf_counter() - wall)
+    medians = {side: {k: statistics.median(v) for k, v in t.items()} for side, t in times.items()}
+    return medians, tokens
 
 
 def line(first: str, *cells: str) -> None:
-    print(f"{first:<12}" + "".join(f"{cell:>{width}}" for cell, width in zip(cells, WIDTHS, strict=True)))
+    print(f"{first:<14}" + "".join(f"{cell:>{width}}" for cell, width in zip(cells, WIDTHS, strict=True)))
 
 
 def main() -> None:
@@ -171,19 +177,23 @@ def main() -> None:
     args = parser.parse_args()
     rows = args.groups * args.per_group
     print(f"{rows} rows x ({args.prompt} prompt + {args.response} response tokens), median of {args.repeats}")
-    line("shape", "baseline s", "new s", "baseline Mtok/s", "new Mtok/s", "speed-up")
+    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    line("shape", "clock", "baseline s", "new s", "baseline Mtok/s", "new Mtok/s", "speed-up")
     for turns in (1, 4):
         groups = make_groups(args.groups, args.per_group, args.prompt, args.response, turns, args.observation)
-        old, new, tokens = measure(groups, args.repeats)
-        shape = "single-turn" if turns == 1 else f"{turns} turns"
-        line(
-            shape,
-            f"{old:.3f}",
-            f"{new:.3f}",
-            f"{tokens / old / 1e6:.1f}",
-            f"{tokens / new / 1e6:.1f}",
-            f"{old / new:.1f}x",
-        )
+        medians, tokens = measure(groups, args.repeats)
+        for clock in ("wall", "cpu"):
+            old, new = medians["baseline"][clock], medians["new"][clock]
+            line(
+                "single-turn" if turns == 1 else f"{turns} turns",
+                clock,
+                f"{old:.3f}",
+                f"{new:.3f}",
+                f"{tokens / old / 1e6:.1f}",
+                f"{tokens / new / 1e6:.1f}",
+                f"{old / new:.1f}x",
+            )
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
     print("batches bit-identical to the baseline: yes")
 
 
