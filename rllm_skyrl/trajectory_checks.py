@@ -112,7 +112,10 @@ def group_label(group: Any, group_index: int) -> str:
 
 def _show(value: Any) -> str:
     """A short, unambiguous rendering of a bad value for a message: repr, and the type when unclear."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a message must not fail on the value it describes
+        text = "<unprintable>"
     text = text if len(text) <= 40 else text[:37] + "..."
     if isinstance(value, str | int | float | type(None)) and not isinstance(value, bool):
         return text
@@ -146,11 +149,10 @@ def _packed(values: list | tuple, code: str) -> np.ndarray | None:
     """``values`` as a native int64 (``code="q"``) or float64 (``"d"``) array; ``None`` if one is not
     an integer (``operator.index``) / real number (``float()`` of a non-text value)."""
     try:
-        return np.frombuffer(
-            struct.pack(f"{len(values)}{code}", *values), dtype=np.int64 if code == "q" else np.float64
-        )
-    except struct.error:
+        packed = struct.pack(f"{len(values)}{code}", *values)
+    except Exception:  # struct.error, or whatever a value's own __index__ / __float__ raised
         return None
+    return np.frombuffer(packed, dtype=np.int64 if code == "q" else np.float64)
 
 
 def _first_rejected(values: Any, code: str) -> tuple[int, Any]:

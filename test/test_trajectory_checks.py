@@ -113,8 +113,23 @@ def test_logprobs_may_exceed_zero_by_float_noise_only():
 
 # ------------------------------------------------------------------------------------ rejected
 
+
+class Raising:
+    """A value whose own conversions and repr fail: still a labelled error, never an escaping one."""
+
+    def __index__(self):
+        raise RuntimeError("no index")
+
+    def __float__(self):
+        raise RuntimeError("no float")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
 NOT_INTS = [3.7, 3.0, "7", True, False, np.True_, None, np.float64(2.0), Decimal(3), 1 + 0j, [1], b"1"]
-NOT_REALS = ["-0.1", True, False, np.True_, None, [-0.1], 1j, b"-1", torch.tensor([True])]
+NOT_INTS += [Raising()]
+NOT_REALS = ["-0.1", True, False, np.True_, None, [-0.1], 1j, b"-1", torch.tensor([True]), Raising()]
 
 REJECTED = [
     # (field path, bad value, field name reported, step reported, message fragment)
