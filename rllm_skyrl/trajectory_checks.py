@@ -291,7 +291,7 @@ def trajectory_reward(trajectory: Any) -> float | None:
 
 
 def check_group(group: Any, label: str) -> list[Any]:
-    """A group's trajectories, once the group itself is usable (a list of them under a string id)."""
+    """A group's trajectories; the group is unusable as a whole when they are not a list."""
     trajectories = getattr(group, "trajectories", None)
     if not isinstance(trajectories, list | tuple):
         raise MalformedTrajectoryError(
@@ -301,6 +301,7 @@ def check_group(group: Any, label: str) -> list[Any]:
 
 
 def check_group_id(group: Any, label: str) -> str:
+    """The group's id, which becomes SkyRL's uid for each of its rows; ``label`` names the trajectory."""
     group_id = getattr(group, "group_id", None)
     if not isinstance(group_id, str) or not group_id:
         raise MalformedTrajectoryError(
@@ -322,7 +323,7 @@ def check_trajectory(trajectory: Any, label: str, config: RowRules) -> list[Any]
                 label,
                 None,
                 "name",
-                f"unknown role {role!r} (configured roles: {sorted(config.allowed_roles)})",
+                f"unknown role {_show(role)} (configured roles: {sorted(config.allowed_roles)})",
                 "name the trajectory after a configured role, or add its role to the config",
             )
     steps = getattr(trajectory, "steps", None)
@@ -363,7 +364,11 @@ class StepFields(NamedTuple):
     advantages: np.ndarray | float | None
 
 
+_MISSING = object()
+
+
 def _required(label: str, index: int, step: Any, name: str) -> Any:
+    """A field every step must carry; an absent one is named rather than an AttributeError."""
     value = getattr(step, name, _MISSING)
     if value is _MISSING:
         raise MalformedTrajectoryError(
@@ -374,9 +379,6 @@ def _required(label: str, index: int, step: Any, name: str) -> Any:
             "build steps as rLLM's Step",
         )
     return value
-
-
-_MISSING = object()
 
 
 def step_lineage(label: str, index: int, step: Any) -> Any:
