@@ -126,7 +126,10 @@ class GroupAdvantages:
 
 
 def _group_rewards(group: Any) -> torch.Tensor:
-    rewards = [trajectory_reward(t) for t in group.trajectories]
+    """A group's outcome rewards; a group without a usable trajectory list counts as having none
+    (the data adapter drops it and says why)."""
+    trajectories = group.trajectories if isinstance(group.trajectories, list | tuple) else []
+    rewards = [trajectory_reward(t) for t in trajectories]
     return torch.tensor([float("nan") if r is None else r for r in rewards], dtype=torch.float64)
 
 
