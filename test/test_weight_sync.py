@@ -79,7 +79,7 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
     workers = SkyRLWorkers(
         config(tiny_model_dir, tmp_path, **{"trainer.policy.optimizer_config.lr": 1e-2}), tiny_tokenizer
     )
-    servers = start_cpu_servers(tiny_model_dir, 1, tmp_path / "servers")
+    servers = start_cpu_servers(tiny_model_dir, 1, tmp_path / "servers", weights_root=tmp_path / "sync")
     engine = SkyRLEngine.from_urls(servers.urls, tiny_tokenizer, max_prompt_length=64, max_response_length=6)
     try:
         before, trainer_before = _server_vs_trainer(engine, workers, tiny_tokenizer)
