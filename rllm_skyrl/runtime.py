@@ -105,7 +105,6 @@ class Runtime:
         self.workers: SkyRLWorkers | None = None
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
-        self.sync_dir = Path(run.checkpoint.root) / "sync"
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
@@ -138,7 +137,7 @@ class Runtime:
     async def sync_weights(self, version: int) -> None:
         """Make every server sample from the workers' current policy, labelled ``version``."""
         await weight_sync.sync_weights(
-            self.run.platform.weight_sync_method, self.workers, self.servers, self.sync_dir, version
+            self.run.platform.weight_sync_method, self.workers, self.servers, self.run.sync_dir, version
         )
 
     def shutdown(self) -> None:

@@ -274,7 +274,7 @@ def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
         run.model_path,
         run.inference.num_engines,
         log_dir=run.log_dir / "inference",
-        weights_root=Path(run.checkpoint.root) / "sync",  # where Runtime.sync_dir writes the weights
+        weights_root=run.sync_dir,
         max_model_len=run.inference.max_model_len,
         max_batch_size=run.inference.max_batch_size,
         seed=run.seed,

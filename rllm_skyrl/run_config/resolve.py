@@ -188,6 +188,11 @@ class RunConfig:
         return Path(self.skyrl.trainer.log_path)
 
     @property
+    def sync_dir(self) -> Path:
+        """Where the trainer writes weights for the servers to load; the servers load nothing else."""
+        return Path(self.checkpoint.root) / "sync"
+
+    @property
     def num_minibatches(self) -> int:
         trainer = self.skyrl.trainer
         return trainer.train_batch_size // trainer.policy_mini_batch_size
