@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ def start_ray(
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
     else:
+        _require_ray_token()
         ray.init(
+            _node_ip_address="127.0.0.1",
             runtime_env=runtime_env,
             log_to_driver=False,
             include_dashboard=False,
@@ -80,6 +83,21 @@ def start_ray(
 
     sync_registries()
     return True
+
+
+def _require_ray_token() -> None:
+    """Make the local Ray we start refuse every client without this run's token.
+
+    Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
+    loopback; with Ray's token authentication they refuse anyone without the token, and the
+    Prometheus exporter (the one unauthenticated listener) is not started. Ray reads these settings
+    once, when it is imported, hence the re-read. Workers inherit the token from the raylet.
+    """
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
+    os.environ["RAY_enable_metrics_collection"] = "0"
+    ray._raylet.Config.initialize("")
+    ray._raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def load_tokenizer(model_path: str):
