@@ -49,14 +49,15 @@ PROBE = textwrap.dedent(
     http = {}
     for item in listeners:
         try:
-            http[item["port"]] = httpx.get(f"http://127.0.0.1:{item['port']}/api/job_agent/jobs/", timeout=3).status_code
+            url = f"http://127.0.0.1:{item['port']}/api/job_agent/jobs/"
+            http[item["port"]] = httpx.get(url, timeout=3).status_code
         except httpx.HTTPError:
             pass
     servers.stop()
     ray.shutdown()
+    refused = "InvalidAuthToken" in intruder.stderr or "Authentication" in intruder.stderr
     print(json.dumps({"worker_mode": worker_mode, "listeners": listeners, "intruder_rc": intruder.returncode,
-                      "intruder_refused": "InvalidAuthToken" in intruder.stderr or "Authentication" in intruder.stderr,
-                      "http": http}))
+                      "intruder_refused": refused, "http": http}))
     """
 )
 
@@ -75,6 +76,8 @@ def test_local_ray_and_servers_refuse_strangers(tmp_path):
     assert servers and all(item["ip"] in loopback for item in servers), servers
     for item in report["listeners"]:
         if not item["server"] and item["ip"] not in loopback:  # Ray's: its processes, or the driver's
-            assert item["name"] in ("raylet", "gcs_server", "python") or item["name"].startswith("ray::"), item
+            name = item["name"]
+            ray_process = name in ("raylet", "gcs_server", "python") or name.startswith("ray::")
+            assert ray_process, item
     # Every HTTP listener (Ray's job agent) asks for the token; nothing serves metrics openly.
     assert report["http"] and all(status == 401 for status in report["http"].values()), report["http"]
