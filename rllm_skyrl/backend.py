@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from rllm_skyrl import advantages as adv
 from rllm_skyrl.batch_layout import stack_rows
-from rllm_skyrl.checkpoint import CheckpointManager, failure_report
+from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, failure_report
 from rllm_skyrl.compat import rllm
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.metrics import StepMetrics
@@ -73,6 +73,8 @@ class SkyRLBackend:
         self.metrics = StepMetrics()
         self._algorithm_config: Any = None
         self._update: PolicyUpdate | None = None
+        self._lock: CheckpointLock | None = None
+        self._resume_from = None
         self._updated = False
         self._last_trained_step: int | None = None
         self.resumed_step: int | None = None  # the checkpointed step on_train_start resumed from
@@ -94,17 +96,27 @@ class SkyRLBackend:
         self._algorithm_config = kwargs.get("algorithm_config")
         run = self.run.for_total_steps(kwargs.get("total_training_steps") or 1)
         self.run = run.with_algorithm_config(self._algorithm_config)
+        resume = self.run.checkpoint
+        # Before anything expensive: this run owns its checkpoint directory, and what it would
+        # resume from is readable.
+        self._lock = CheckpointLock(resume.root).acquire()
+        self.checkpoints = CheckpointManager(
+            resume.root, None, resume.max_to_keep, roles=self.run.trained_roles
+        )
+        try:
+            self._resume_from = self.checkpoints.validate(resume.resume_mode, resume.resume_from_path)
+        except BaseException:
+            self._lock.release()
+            raise
         try:  # a failure part-way must not leave Ray, workers or servers behind
             self.runtime = Runtime.start(self.run)
             SkyRLBackend._running.add(self)
+            self.checkpoints.workers = self.runtime.workers
             self.tokenizer = self.runtime.tokenizer
             for role in self.run.trained_roles:  # model ids are the role names
                 self.runtime.models.create_model(role, model_role=role)
             self.rollout_engine = SkyRLEngine.for_servers(self.runtime.servers, self.tokenizer, self.run)
             self.runtime.connect_weight_sync(self.rollout_engine.client)
-            self.checkpoints = CheckpointManager(
-                self.run.checkpoint.root, self.runtime.workers, self.run.checkpoint.max_to_keep
-            )
             self._update = PolicyUpdate(
                 self.run, self.runtime.models, self.runtime.workers.dp_size("policy"), self.metrics
             )
@@ -322,8 +334,13 @@ class SkyRLBackend:
         """Stop servers, workers and Ray (if this run started it); safe to call twice."""
         runtime, self.runtime = self.runtime, None
         SkyRLBackend._running.discard(self)
-        if runtime is not None:
-            runtime.shutdown()
+        try:
+            if runtime is not None:
+                runtime.shutdown()
+        finally:
+            lock, self._lock = getattr(self, "_lock", None), None
+            if lock is not None:
+                lock.release()
 
 
 class _EmptyBatch:

@@ -32,7 +32,7 @@ from training_runs import (
     wait,
 )
 
-from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointManager
+from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointError, CheckpointManager
 from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
@@ -110,7 +110,7 @@ def test_resaving_a_step_is_atomic_and_recovers_an_interrupted_swap(tmp_path):
 
 def test_a_dangling_latest_pointer_is_a_clear_error(tmp_path):
     (tmp_path / LATEST).write_text("global_step_7")
-    with pytest.raises(RuntimeError, match="global_step_7.*not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="global_step_7.*not a complete checkpoint"):
         CheckpointManager(tmp_path, FakeWorkers()).latest_step()
 
 
@@ -155,7 +155,7 @@ def test_resume_modes(tmp_path, caplog):
     with pytest.raises(ValueError, match="resume_mode='sometimes'"):
         manager.resume("sometimes", None, _state())
     critic = CheckpointManager(tmp_path / "ckpt", FakeWorkers(roles=("policy", "critic")))
-    with pytest.raises(FileNotFoundError, match="no critic checkpoint"):
+    with pytest.raises(CheckpointError, match="no critic checkpoint"):
         critic.resume("auto", None, _state())
 
 

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import advantages, losses
 from rllm_skyrl.checkpoint import RESUME_MODES
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.aliases import apply_aliases
@@ -41,7 +42,7 @@ def default_policy_loss(estimator: str) -> str:
 BUILTIN_MODELS = ("tiny", "smollm2")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFacingError):
     """A setting that cannot work; the message names the key, the value and what is allowed."""
 
 
