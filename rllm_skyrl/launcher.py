@@ -10,13 +10,40 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.run_config.tree import hydra_cli_overrides
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["finish_run", "hydra_cli_overrides", "main", "plan", "print_summary", "quiet_libraries", "run"]
+__all__ = [
+    "finish_run",
+    "hydra_cli_overrides",
+    "main",
+    "one_line_errors",
+    "plan",
+    "print_summary",
+    "quiet_libraries",
+    "run",
+]
+
+
+@contextmanager
+def one_line_errors(always: bool = False) -> Iterator[None]:
+    """On the command line (a Hydra app, or ``always``), a setting or file the user must fix is one
+    line on stderr and exit code 2, not a traceback; library callers get the exception."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        yield
+    except UserFacingError as error:
+        if not (always or HydraConfig.initialized()):
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def quiet_libraries(level: str | None = None) -> None:
@@ -61,15 +88,16 @@ def run(
 
     quiet_libraries()
     try:
-        trainer = UnifiedTrainer(
-            backend_cls=SkyRLBackend,
-            config=cfg,
-            workflow_class=_import(workflow_class),
-            workflow_args=workflow_args,
-            train_dataset=train_dataset,
-            val_dataset=val_dataset,
-            backend_args={"cli_overrides": hydra_cli_overrides()},
-        )
+        with one_line_errors():
+            trainer = UnifiedTrainer(
+                backend_cls=SkyRLBackend,
+                config=cfg,
+                workflow_class=_import(workflow_class),
+                workflow_args=workflow_args,
+                train_dataset=train_dataset,
+                val_dataset=val_dataset,
+                backend_args={"cli_overrides": hydra_cli_overrides()},
+            )
     except BaseException:  # the backend may have started Ray, workers and servers already
         SkyRLBackend.shutdown_all()
         raise
@@ -120,10 +148,11 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
     """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
     from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
     from skyrl.train.config.config import get_config_as_yaml_str
 
     from rllm_skyrl.platform import Platform
-    from rllm_skyrl.run_config import resolve_run_config
+    from rllm_skyrl.run_config import ConfigError, resolve_run_config
 
     init = (
         initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
@@ -131,7 +160,10 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
         else initialize_config_module(config_module="rllm_skyrl.config", version_base=None)
     )
     with init:
-        cfg = compose(config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name, overrides=overrides)
+        except HydraException as error:  # an unknown key or group: the user's to fix
+            raise ConfigError(str(error).strip().replace("\n", " ")) from None
     run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
     placement = run.skyrl.trainer.placement
     roles = [
@@ -173,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        print(plan(args.overrides, args.config_name, args.config_dir))
+        with one_line_errors(always=True):
+            print(plan(args.overrides, args.config_name, args.config_dir))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class SkyRLTrainerLauncher:
         the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
         """
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, quiet_libraries
+        from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, one_line_errors, quiet_libraries
         from rllm_skyrl.run_log import mirror_logger
 
         quiet_libraries()
@@ -104,17 +104,18 @@ class SkyRLTrainerLauncher:
             backend_cls = SkyRLBackend
         trainer = None
         try:
-            trainer = unified.UnifiedTrainer(
-                backend_cls=backend_cls,
-                config=self.config,
-                workflow_class=self.workflow_class,
-                train_dataset=self.train_dataset,
-                val_dataset=self.val_dataset,
-                workflow_args=self.workflow_args,
-                backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
-                store=self.store,
-                **self.kwargs,
-            )
+            with one_line_errors():
+                trainer = unified.UnifiedTrainer(
+                    backend_cls=backend_cls,
+                    config=self.config,
+                    workflow_class=self.workflow_class,
+                    train_dataset=self.train_dataset,
+                    val_dataset=self.val_dataset,
+                    workflow_args=self.workflow_args,
+                    backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
+                    store=self.store,
+                    **self.kwargs,
+                )
             run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
             mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
             trainer.fit()

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
 from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import hydra_cli_overrides, quiet_libraries
+from rllm_skyrl.launcher import hydra_cli_overrides, one_line_errors, quiet_libraries
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
 
@@ -65,7 +65,8 @@ def train_sft(cfg: DictConfig) -> SFTResult:
     heldout_path = write_sft_parquet(data_dir / "heldout.parquet", heldout_pairs)
 
     # One optimizer step per SFT step: the run is exactly sft.steps optimizer steps long.
-    run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
+    with one_line_errors():
+        run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
     runtime = Runtime.start(run, serve=False)
     try:
         tokenizer, models = runtime.tokenizer, runtime.models
