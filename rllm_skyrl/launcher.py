@@ -84,8 +84,10 @@ def run(
     """
     from rllm_skyrl.backend import SkyRLBackend
     from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.secret_masking import mask_process_output
     from rllm_skyrl.standalone import UnifiedTrainer
 
+    mask_process_output()
     quiet_libraries()
     try:
         with one_line_errors():
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     args = parser.parse_args(argv)
+    from rllm_skyrl.secret_masking import mask_process_output
+
+    mask_process_output()
     if args.command == "plan":
         with one_line_errors(always=True):
             print(plan(args.overrides, args.config_name, args.config_dir))

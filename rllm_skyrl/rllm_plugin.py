@@ -94,7 +94,9 @@ class SkyRLTrainerLauncher:
         unified = require("rllm", _TRAINER_MODULE)
         from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, one_line_errors, quiet_libraries
         from rllm_skyrl.run_log import mirror_logger
+        from rllm_skyrl.secret_masking import mask_process_output
 
+        mask_process_output(OmegaConf.to_container(self.config, resolve=False))
         quiet_libraries()
 
         backend_cls = self.backend_cls

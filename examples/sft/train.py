@@ -21,6 +21,7 @@ from rllm_skyrl.data_adapter import sft_examples_to_batch
 from rllm_skyrl.launcher import hydra_cli_overrides, one_line_errors, quiet_libraries
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
+from rllm_skyrl.secret_masking import mask_process_output
 
 MODEL_ID = "sft"
 
@@ -109,6 +110,7 @@ def train_sft(cfg: DictConfig) -> SFTResult:
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    mask_process_output()
     quiet_libraries()
     train_sft(cfg)
 
