@@ -135,12 +135,14 @@ class SkyRLBackend:
         Rows may be dicts or rLLM ``Task`` objects; a row's ``data_source`` names its validation
         metrics (``val/<data_source>/pass@k``), as with rLLM's verl backend.
         """
+        self.runtime.servers.check_alive()
         n = self.run.rollout_n_val if is_validation else self.run.rollout_n
         tasks, task_ids = rllm.task_ids(batch, n)
         with self.metrics.timed("generate") if not is_validation else nullcontext():
             episodes = await agent_workflow_engine.execute_tasks(
                 tasks, task_ids, is_validation=is_validation, **kwargs
             )
+        self.runtime.servers.check_alive()  # a server that died mid-rollout failed those rollouts
         for episode, task in zip(episodes, tasks, strict=True):
             source = rllm.task_field(task, "data_source")
             if source is not None and episode is not None:

@@ -385,6 +385,9 @@ def failure_report(error: BaseException | None, step: int, checkpoints: Checkpoi
     cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     if isinstance(error, ray.exceptions.RayActorError):
         cause = f"a SkyRL training worker died ({cause})"
+    elif "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
+        where = checkpoints.root if checkpoints is not None else "the checkpoint directory"
+        cause = f"the disk holding {where} is full ({cause}); free space first"
     try:
         latest = checkpoints.latest_step() if checkpoints is not None else None
     except CheckpointError:

@@ -72,8 +72,22 @@ class ServerGroup:
             return url, {}
         return without_credentials(url), {"Authorization": f"Bearer {self.token}"}
 
+    def check_alive(self) -> None:
+        """Raise naming the server, its exit code and its log when a server we started has died:
+        rollouts would otherwise fail one by one and the run would train on nothing."""
+        for index, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                log = self.log_files[index] if index < len(self.log_files) else None
+                tail = log.read_text(errors="replace")[-1500:] if log is not None and log.exists() else ""
+                raise RuntimeError(
+                    f"inference server {index} (pid {process.pid}) exited with code {code}; "
+                    f"log {log}:\n{tail}"
+                )
+
     def load_weights(self, path: str, weight_version: int, timeout: float = 600.0) -> None:
         """Ask every server to load the full weights the trainer wrote to ``path``."""
+        self.check_alive()
         for url in self.urls:
             target, headers = self.request_target(url)
             response = httpx.post(
