@@ -149,17 +149,24 @@ def build_app(
         if body.get("features"):
             raise ApiError(400, "multi-modal features are not supported by the CPU inference server")
         request_id = checks.optional_string("request_id", body.get("request_id"))
-        params = SamplingParams.from_dict(body.get("sampling_params"))
+        raw_params = body.get("sampling_params")
+        params = SamplingParams.from_dict(raw_params)
+        # n samples of one prompt (SkyRL's client asks for them through its Tinker-style `sample`).
+        n = openai_api.num_choices(raw_params if isinstance(raw_params, dict) else {})
         adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
-        result = await unless_disconnected(request, service.generate(token_ids, params, adapter))
-        choice = {
-            "index": 0,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "stop_reason": result.stop_reason,
-            "logprobs": token_logprobs(result),
-        }
-        return json_response({"request_id": request_id or f"gen-{uuid.uuid4().hex}", "choices": [choice]})
+        jobs = openai_api.n_jobs(token_ids, params, n)
+        results = await unless_disconnected(request, service.generate_many(jobs, adapter))
+        choices = [
+            {
+                "index": index,
+                "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason,
+                "logprobs": token_logprobs(result),
+            }
+            for index, result in enumerate(results)
+        ]
+        return json_response({"request_id": request_id or f"gen-{uuid.uuid4().hex}", "choices": choices})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

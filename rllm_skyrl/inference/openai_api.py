@@ -53,7 +53,7 @@ def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingPara
     return SamplingParams.from_dict(raw)
 
 
-def _num_choices(body: dict[str, Any]) -> int:
+def num_choices(body: dict[str, Any]) -> int:
     n = body.get("n")
     return 1 if n is None else checks.integer("n", n, 1, MAX_CHOICES)
 
@@ -63,7 +63,7 @@ def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
     return default if value is None else checks.boolean(key, value)
 
 
-def _n_jobs(prompt_ids: list[int], params: SamplingParams, n: int) -> list[tuple[list[int], SamplingParams]]:
+def n_jobs(prompt_ids: list[int], params: SamplingParams, n: int) -> list[tuple[list[int], SamplingParams]]:
     """n independent samples; with a seed, sample i uses seed + i so they differ yet reproduce."""
     jobs = [(prompt_ids, params)]
     for i in range(1, n):
@@ -98,7 +98,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
     top = body.get("top_logprobs")
     top = 0 if top is None else checks.integer("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
     params = _sampling_params(body, top if _flag(body, "logprobs") else None)
-    n = _num_choices(body)
+    n = num_choices(body)
     return_token_ids = _flag(body, "return_token_ids")
     prompt_ids = await service.render_chat(
         body.get("messages"),
@@ -107,7 +107,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
         continue_final_message=_flag(body, "continue_final_message"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
     )
-    results = await service.generate_many(_n_jobs(prompt_ids, params, n), adapter)
+    results = await service.generate_many(n_jobs(prompt_ids, params, n), adapter)
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {
@@ -171,10 +171,10 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
         raise ApiError(400, "echo and suffix are not supported by the CPU inference server")
     adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
     params = _sampling_params(body, body.get("logprobs"))
-    n = _num_choices(body)
+    n = num_choices(body)
     return_token_ids = _flag(body, "return_token_ids")
     prompts = await _prompts(service, body.get("prompt"))
-    flat = await service.generate_many([job for p in prompts for job in _n_jobs(p, params, n)], adapter)
+    flat = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
     batches = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
     choices = []
     for p_index, results in enumerate(batches):

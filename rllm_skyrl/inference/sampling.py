@@ -42,7 +42,6 @@ _IGNORED_KEYS = frozenset(
 )
 # Keys we accept only at their neutral value: they change the distribution and are not implemented.
 _NEUTRAL_KEYS = {
-    "n": 1,
     "best_of": None,
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
@@ -119,8 +118,8 @@ class SamplingParams:
             raise checks.bad(f"sampling_params must be a JSON object, got {checks.shown(raw)}")
         params = cls()
         for key, value in raw.items():
-            if key in _IGNORED_KEYS or (value is None and key not in _NULLABLE):
-                continue
+            if key == "n" or key in _IGNORED_KEYS or (value is None and key not in _NULLABLE):
+                continue  # n (samples per prompt) is the route's business, not a sampling knob
             if key in _NEUTRAL_KEYS:
                 if value != _NEUTRAL_KEYS[key] and value != [] and value != {}:
                     raise checks.bad(
