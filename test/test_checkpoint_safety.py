@@ -122,3 +122,38 @@ def test_validate_needs_no_workers(tmp_path):
         CheckpointManager(tmp_path, None, roles=("policy",)).validate("auto", None)
         == tmp_path / "global_step_4"
     )
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    from rllm_skyrl.run_log import MetricsFile, read_metrics
+
+    file = MetricsFile(tmp_path)
+    file.append(1, {"reward/mean": 0.5})
+    with file.path.open("a") as handle:
+        handle.write('{"step": 2, "reward/me')  # the run was killed mid-write
+    assert read_metrics(tmp_path) == [{"step": 1, "reward/mean": 0.5}]
+    assert "torn last line" in caplog.text
+    file.keep_through(1)
+    file.append(2, {"reward/mean": 0.75})
+    assert [record["step"] for record in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_runtime_shutdown_stops_every_part_even_when_one_fails():
+    from rllm_skyrl.runtime import Runtime
+
+    stopped = []
+
+    class Servers:
+        def stop(self):
+            stopped.append("servers")
+            raise RuntimeError("server stop failed")
+
+    class Workers:
+        def shutdown(self):
+            stopped.append("workers")
+
+    runtime = Runtime.__new__(Runtime)
+    runtime.servers, runtime.workers, runtime.models, runtime.owns_ray = Servers(), Workers(), object(), False
+    with pytest.raises(RuntimeError, match="server stop failed"):
+        runtime.shutdown()
+    assert stopped == ["servers", "workers"] and runtime.workers is None and runtime.servers is None
