@@ -126,12 +126,16 @@ class Runtime:
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
-        """Ray, then the workers of ``run.roles``, then (``serve``) the inference servers.
+        """Ray, the workers of ``run.roles`` and (``serve``) the inference servers.
 
-        A failure part-way stops whatever had started before re-raising.
+        This package's CPU servers are separate processes that need no Ray: they are launched first
+        and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
+        and start after Ray. A failure part-way stops whatever had started before re-raising.
         """
         runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
         try:
+            if serve and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
+                runtime.servers = start_servers(run, runtime.tokenizer)
             runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
             runtime.workers = SkyRLWorkers(
                 run.skyrl,
@@ -142,7 +146,9 @@ class Runtime:
             )
             runtime.models = ModelRegistry(runtime.workers)
             if serve:
-                runtime.servers = start_servers(run, runtime.tokenizer)
+                if runtime.servers is None:
+                    runtime.servers = start_servers(run, runtime.tokenizer)
+                runtime.servers.wait_ready()
         except BaseException:
             runtime.shutdown()
             raise

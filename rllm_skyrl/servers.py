@@ -60,6 +60,7 @@ class ServerGroup:
     token: str | None = field(default=None, repr=False)
     weights_root: Path | None = None
     owns_weights_root: bool = False
+    model_dir: str | None = None
 
     @property
     def owned(self) -> bool:
@@ -71,6 +72,17 @@ class ServerGroup:
         if self.token is None:
             return url, {}
         return without_credentials(url), {"Authorization": f"Bearer {self.token}"}
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until every launched server serves, and record its URL (with our credentials)."""
+        try:
+            for index, (process, log_file) in enumerate(zip(self.processes, self.log_files, strict=True)):
+                url = _wait_healthy(process, log_file, timeout)
+                self.urls.append(with_credentials(url, self.token) if self.token else url)
+                logger.info("inference server %d serving %s at %s", index, self.model_dir, url)
+        except BaseException:
+            self.stop()
+            raise
 
     def check_alive(self) -> None:
         """Raise naming the server, its exit code and its log when a server we started has died:
@@ -189,11 +201,36 @@ def start_cpu_servers(
     seed: int = 0,
     timeout: float = 120.0,
 ) -> ServerGroup:
-    """Start ``num_servers`` transformers servers on free loopback ports and wait until they serve.
+    """Start ``num_servers`` transformers servers on free loopback ports and wait until they serve."""
+    group = launch_cpu_servers(
+        model_dir,
+        num_servers,
+        log_dir,
+        weights_root=weights_root,
+        max_model_len=max_model_len,
+        max_batch_size=max_batch_size,
+        seed=seed,
+    )
+    group.wait_ready(timeout)
+    return group
 
-    ``weights_root``: the directory the trainer writes weights to for the servers (a run's
-    ``<checkpoint root>/sync``); the servers load nothing from elsewhere. None creates a fresh
-    private temporary directory, ``group.weights_root``, removed again by ``stop()``.
+
+def launch_cpu_servers(
+    model_dir: str,
+    num_servers: int,
+    log_dir: str | Path,
+    *,
+    weights_root: str | Path | None = None,
+    max_model_len: int | None = None,
+    max_batch_size: int = 256,
+    seed: int = 0,
+) -> ServerGroup:
+    """Start the server processes and return at once; ``wait_ready`` waits until they serve.
+
+    A server takes seconds to import torch and load its model: a run starts them first and brings
+    up Ray and its training workers meanwhile. ``weights_root``: the directory the trainer writes
+    weights to for the servers (a run's ``<checkpoint root>/sync``); the servers load nothing from
+    elsewhere. None creates a fresh private temporary directory, removed again by ``stop()``.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -202,6 +239,7 @@ def start_cpu_servers(
     owns_root = weights_root is None
     root = Path(tempfile.mkdtemp(prefix="rllm-skyrl-weights-")) if owns_root else Path(weights_root)
     group = ServerGroup(urls=[], token=token, weights_root=root, owns_weights_root=owns_root)
+    group.model_dir = model_dir
     env = server_environment(os.environ, token)
     try:
         for index in range(num_servers):
@@ -229,9 +267,6 @@ def start_cpu_servers(
                 process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             group.processes.append(process)
             group.log_files.append(log_file)
-            url = _wait_healthy(process, log_file, timeout)
-            group.urls.append(with_credentials(url, token))
-            logger.info("inference server %d serving %s at %s", index, model_dir, url)
     except BaseException:
         group.stop()
         raise
@@ -278,13 +313,14 @@ def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
 
 
 def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
-    """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers."""
+    """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers
+    (launched; the caller waits with ``wait_ready``, so other bring-up overlaps their start)."""
     kind = run.platform.server_kind(run.inference.urls)
     if kind == "external":
         return external_servers(list(run.inference.urls))
     if kind == "skyrl_vllm":
         return start_skyrl_servers(run.skyrl, tokenizer)
-    return start_cpu_servers(
+    return launch_cpu_servers(
         run.model_path,
         run.inference.num_engines,
         log_dir=run.log_dir / "inference",
