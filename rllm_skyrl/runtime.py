@@ -10,6 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -123,6 +126,7 @@ class Runtime:
         self.workers: SkyRLWorkers | None = None
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
+        self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
@@ -132,27 +136,47 @@ class Runtime:
         and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
         and start after Ray. A failure part-way stops whatever had started before re-raising.
         """
+        started = time.perf_counter()
         runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
+        phase = runtime._phase
         try:
             if serve and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
-                runtime.servers = start_servers(run, runtime.tokenizer)
-            runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
-            runtime.workers = SkyRLWorkers(
-                run.skyrl,
-                runtime.tokenizer,
-                total_training_steps=run.optimizer_steps,
-                roles=run.roles,
-                platform=run.platform,
-            )
+                with phase("servers_launch"):
+                    runtime.servers = start_servers(run, runtime.tokenizer)
+            with phase("ray"):
+                runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+            with phase("workers"):
+                runtime.workers = SkyRLWorkers(
+                    run.skyrl,
+                    runtime.tokenizer,
+                    total_training_steps=run.optimizer_steps,
+                    roles=run.roles,
+                    platform=run.platform,
+                )
             runtime.models = ModelRegistry(runtime.workers)
             if serve:
-                if runtime.servers is None:
-                    runtime.servers = start_servers(run, runtime.tokenizer)
-                runtime.servers.wait_ready()
+                with phase("servers_ready"):
+                    if runtime.servers is None:
+                        runtime.servers = start_servers(run, runtime.tokenizer)
+                    runtime.servers.wait_ready()
         except BaseException:
             runtime.shutdown()
             raise
+        runtime.startup_seconds["total"] = time.perf_counter() - started
+        logger.info(
+            "runtime up in %.1f s (%s)",
+            runtime.startup_seconds["total"],
+            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in runtime.startup_seconds.items()),
+        )
         return runtime
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup_seconds[name] = time.perf_counter() - start
 
     def connect_weight_sync(self, client: Any) -> None:
         """Once the rollout client exists: wire SkyRL's transfer to it, where that is the method."""
