@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 import weakref
 from contextlib import nullcontext
 from typing import Any
@@ -76,8 +75,6 @@ class SkyRLBackend:
         self._update: PolicyUpdate | None = None
         self._lock: CheckpointLock | None = None
         self._resume_from = None
-        self._first_step_at: float | None = None
-        self._startup_pending = True
         self._updated = False
         self._last_trained_step: int | None = None
         self.resumed_step: int | None = None  # the checkpointed step on_train_start resumed from
@@ -261,8 +258,8 @@ class SkyRLBackend:
 
     async def on_batch_start(self, trainer_state: Any) -> None:
         # In fully-async mode this runs once per chunk: the step's state resets in on_batch_end.
-        if self._first_step_at is None:
-            self._first_step_at = time.time()
+        if self.runtime is not None:
+            self.runtime.mark_first_step()
 
     async def on_batch_end(self, trainer_state: Any) -> None:
         """Weight sync after an update (on-policy mode), a checkpoint every ``save_freq`` steps, and
@@ -282,22 +279,9 @@ class SkyRLBackend:
             if save_freq > 0 and step % save_freq == 0:
                 with self.metrics.timed("save_checkpoint"):
                     await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
-        metrics = self.metrics.publish()
-        for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
-            metrics.setdefault(f"time/{name}", seconds)
-        if "time/generate" in metrics and "perf/rollout_tokens" in metrics:
-            metrics["perf/rollout_tokens_per_s"] = metrics["perf/rollout_tokens"] / max(
-                metrics["time/generate"], 1e-9
-            )
-        if self._startup_pending and self.runtime is not None:  # the first step: how long start-up took
-            metrics |= {f"time/startup/{k}": v for k, v in self.runtime.startup_seconds.items()}
-            metrics["time/startup/process_to_first_step"] = self._first_step_at - _process_started_at()
-            self._startup_pending = False
-        total = getattr(trainer_state, "total_steps", 0) or 0
-        metrics |= {"progress/batch": step, "progress/epoch": getattr(trainer_state, "epoch", 0)}
-        if total > 0:
-            metrics["progress/done_frac"] = step / total
-        trainer_state.metrics.update(metrics)
+        trainer_state.metrics.update(self.metrics.publish_step(trainer_state))
+        if self.runtime is not None:
+            trainer_state.metrics.update(self.runtime.startup_metrics())  # once, on the first step
         self.metrics.clear()
         self._updated = False
 
@@ -352,13 +336,6 @@ class SkyRLBackend:
             lock, self._lock = getattr(self, "_lock", None), None
             if lock is not None:
                 lock.release()
-
-
-def _process_started_at() -> float:
-    """When this process started (seconds since the epoch): start-up is measured from there."""
-    import psutil
-
-    return psutil.Process().create_time()
 
 
 class _EmptyBatch:

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 
 from rllm_skyrl import weight_sync
@@ -127,6 +128,8 @@ class Runtime:
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
         self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
+        self._first_step_at: float | None = None
+        self._startup_reported = False
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
@@ -169,6 +172,20 @@ class Runtime:
             ", ".join(f"{name} {seconds:.1f} s" for name, seconds in runtime.startup_seconds.items()),
         )
         return runtime
+
+    def mark_first_step(self) -> None:
+        if self._first_step_at is None:
+            self._first_step_at = time.time()
+
+    def startup_metrics(self) -> dict[str, float]:
+        """``time/startup/*`` once, after the first step: each part of the bring-up, and the whole
+        way from process start to the first step (imports and config included)."""
+        if self._startup_reported or self._first_step_at is None:
+            return {}
+        self._startup_reported = True
+        metrics = {f"time/startup/{name}": seconds for name, seconds in self.startup_seconds.items()}
+        metrics["time/startup/process_to_first_step"] = self._first_step_at - psutil.Process().create_time()
+        return metrics
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
