@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl.optional_deps import require
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "skyrl"
 _TRAINER_MODULE = "rllm.trainer.unified_trainer"
@@ -131,6 +134,25 @@ class SkyRLTrainerLauncher:
         finish_run(run_dir)
 
 
+def _selected_backend(argument: str | None, config: Any) -> str | None:
+    """The backend to build: the config group the user picked wins over a name fixed in code.
+
+    Several of rLLM's example scripts pass ``AgentTrainer(backend="tinker")`` while their shell
+    scripts choose the config group; with ``rllm/backend=skyrl`` the composed config only has this
+    backend's keys, so building tinker's launcher from it could only fail.
+    """
+    chosen = OmegaConf.select(config, "rllm.backend") if isinstance(config, DictConfig) else None
+    if chosen == BACKEND_NAME and argument != BACKEND_NAME:
+        logger.warning(
+            "AgentTrainer(backend=%r) with the config composed for rllm/backend=%s: training with %s",
+            argument,
+            BACKEND_NAME,
+            BACKEND_NAME,
+        )
+        return BACKEND_NAME
+    return argument
+
+
 def register() -> None:
     """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher``; safe to call twice.
 
@@ -148,7 +170,7 @@ def register() -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        if arguments.pop("backend", None) != BACKEND_NAME:
+        if _selected_backend(arguments.pop("backend", None), arguments.get("config")) != BACKEND_NAME:
             original(self, *args, **kwargs)
             return
         arguments.pop("self")
