@@ -95,7 +95,13 @@ class SkyRLTrainerLauncher:
         the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
         """
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, one_line_errors, quiet_libraries
+        from rllm_skyrl.launcher import (
+            clean_stop,
+            finish_run,
+            hydra_cli_overrides,
+            one_line_errors,
+            quiet_libraries,
+        )
         from rllm_skyrl.run_log import mirror_logger
         from rllm_skyrl.secret_masking import mask_process_output
 
@@ -107,31 +113,32 @@ class SkyRLTrainerLauncher:
             from rllm_skyrl.backend import SkyRLBackend
 
             backend_cls = SkyRLBackend
-        trainer = None
-        try:
-            with one_line_errors():
-                trainer = unified.UnifiedTrainer(
-                    backend_cls=backend_cls,
-                    config=self.config,
-                    workflow_class=self.workflow_class,
-                    train_dataset=self.train_dataset,
-                    val_dataset=self.val_dataset,
-                    workflow_args=self.workflow_args,
-                    backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
-                    store=self.store,
-                    **self.kwargs,
-                )
-            run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
-            mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
-            trainer.fit()
-        finally:
-            if trainer is not None:
-                trainer.shutdown()
-            else:  # the trainer failed to build after the backend had started its runtime
-                from rllm_skyrl.backend import SkyRLBackend
+        with clean_stop():
+            trainer = None
+            try:
+                with one_line_errors():
+                    trainer = unified.UnifiedTrainer(
+                        backend_cls=backend_cls,
+                        config=self.config,
+                        workflow_class=self.workflow_class,
+                        train_dataset=self.train_dataset,
+                        val_dataset=self.val_dataset,
+                        workflow_args=self.workflow_args,
+                        backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
+                        store=self.store,
+                        **self.kwargs,
+                    )
+                run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
+                mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
+                trainer.fit()
+            finally:
+                if trainer is not None:
+                    trainer.shutdown()
+                else:  # the trainer failed to build after the backend had started its runtime
+                    from rllm_skyrl.backend import SkyRLBackend
 
-                SkyRLBackend.shutdown_all()
-        finish_run(run_dir)
+                    SkyRLBackend.shutdown_all()
+            finish_run(run_dir)
 
 
 def _selected_backend(argument: str | None, config: Any) -> str | None:
