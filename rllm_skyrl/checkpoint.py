@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,11 @@ STATE_FILE = "trainer_state.json"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _TMP = f".tmp_{STEP_PREFIX}"
 _OLD = f".old_{STEP_PREFIX}"
+
+# Crash tests' seam: called with (step, temporary directory) once a save has written and flushed
+# every part and before it publishes them, so a test can kill the run at exactly that point.
+# None in every real run.
+before_publish: Callable[[int, Path], None] | None = None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -162,6 +168,8 @@ class CheckpointManager:
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
         _fsync_tree(tmp)
+        if before_publish is not None:
+            before_publish(step, tmp)
         old = None
         if final.exists():  # re-saving a step (after resuming from an older one): replace it whole
             old = self.root / f"{_OLD}{step}_{os.getpid()}"

@@ -314,6 +314,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(digits_runs):
     kill = digits_runs.kill
     assert digits_runs.killed.returncode == -signal.SIGKILL
     assert kill.tmp_dir.startswith(".tmp_global_step_3_")
+    assert kill.tmp_contents == ["policy", STATE_FILE], "the run was killed before its save was complete"
     assert kill.latest_after == "global_step_2"
     assert "global_step_3" not in kill.listing_after, f"the interrupted save was published: {kill}"
     assert {"global_step_1", "global_step_2"} <= set(kill.listing_after)
