@@ -123,12 +123,16 @@ def hf_logprobs(model, prompts, responses, temperature: float = 1.0) -> list[tor
 # --------------------------------------------------------------------------- composed configs
 
 
-def compose_unified(*overrides: str):
-    """The packaged entry config (``unified``) with the tiny model and ``overrides``."""
-    from hydra import compose, initialize_config_module
+def compose_unified(*overrides: str, model: str | None = "tiny"):
+    """The entry config (``unified``) of this checkout with ``model`` (None: unset) and ``overrides``.
 
-    with initialize_config_module(config_module="rllm_skyrl.config", version_base=None):
-        return compose("unified", overrides=["model.path=tiny", *overrides])
+    Composed from the checkout's ``config/`` folder, not through the installed package (which an
+    editable install may map to another checkout); ``test_packaging.py`` covers the package.
+    """
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base=None):
+        return compose("unified", overrides=[*([f"model.path={model}"] if model else []), *overrides])
 
 
 def compose_example(example: str, *overrides: str):
@@ -172,6 +176,35 @@ async def async_wait_until(condition, timeout: float, what: str, interval: float
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def descendants(pid: int) -> list:
+    """Every process ``pid`` started, recursively (``psutil.Process`` objects; empty once it is gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def reap(processes: list, timeout: float = 60.0) -> list[int]:
+    """Wait for processes a test started to exit; SIGKILL (by pid) the ones that outlive ``timeout``.
+
+    Returns the pids that had to be killed.
+    """
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in alive]
 
 
 # --------------------------------------------------------------------------- rLLM-shaped records

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from helpers import wait_until
+from helpers import descendants, reap, wait_until
 
 APP = Path(__file__).resolve().parent / "apps" / "train_digits.py"
 REPO = APP.parents[2]
@@ -101,24 +101,6 @@ def launch(run: Run, overrides: list[str], env: dict[str, str]) -> subprocess.Po
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def reap(processes: list[psutil.Process], timeout: float = 60.0) -> list[int]:
-    """Wait for processes we started to exit; SIGKILL (by pid) the ones that outlive ``timeout``."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return [p.pid for p in alive]
 
 
 def wait(run: Run, process: subprocess.Popen, started: float, timeout: float = RUN_TIMEOUT) -> Run:
