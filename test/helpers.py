@@ -26,6 +26,11 @@ def skyrl_config(model_dir: str, tmp_path, **overrides):
     """SkyRL's typed config for a fp32 policy on ``model_dir``: plain AdamW, one micro-batch."""
     from rllm_skyrl.run_config import make_skyrl_config
 
+    return make_skyrl_config(skyrl_overrides(model_dir, tmp_path, **overrides))
+
+
+def skyrl_overrides(model_dir: str, tmp_path, **overrides) -> dict:
+    """The dotted SkyRL keys behind ``skyrl_config`` (policy only: no KL term, so no reference)."""
     base = {
         "trainer.policy.model.path": model_dir,
         "trainer.policy.fsdp_config.mixed_precision": FP32,
@@ -41,7 +46,7 @@ def skyrl_config(model_dir: str, tmp_path, **overrides):
         "trainer.log_path": str(Path(tmp_path) / "logs"),
     }
     base.update(overrides)
-    return make_skyrl_config(base)
+    return base
 
 
 PAIRS = [("what is 3?", " 3"), ("what is 12?", "1 2 3"), ("what is 7 plus 2?", " 9"), ("what is 5?", "5")]
