@@ -194,16 +194,17 @@ async def resubmitted(url: str) -> bool:
 
 
 def record_generate_calls(monkeypatch, servers) -> list[tuple[int, str]]:
-    """(server index, prompt text) for every generate request each server receives."""
+    """(server index, prompt text) for every generation job each server receives (every route
+    queues its jobs through ``generate_many``)."""
     received: list[tuple[int, str]] = []
     for index, srv in enumerate(servers):
-        original = srv.service.generate
+        original = srv.service.generate_many
 
-        async def recording(prompt_ids, *args, _index=index, _original=original, _srv=srv, **kwargs):
-            received.append((_index, _srv.service.tokenizer.decode(prompt_ids)))
-            return await _original(prompt_ids, *args, **kwargs)
+        async def recording(jobs, *args, _index=index, _original=original, _srv=srv, **kwargs):
+            received.extend((_index, _srv.service.tokenizer.decode(prompt_ids)) for prompt_ids, _ in jobs)
+            return await _original(jobs, *args, **kwargs)
 
-        monkeypatch.setattr(srv.service, "generate", recording)
+        monkeypatch.setattr(srv.service, "generate_many", recording)
     return received
 
 
