@@ -43,11 +43,11 @@ def test_start_servers_starts_what_the_platform_picks(monkeypatch, cuda, overrid
     monkeypatch.setattr(
         servers,
         "start_skyrl_servers",
-        lambda cfg, tok: started.append(("skyrl_vllm", cfg.trainer.policy.model.path)),
+        lambda cfg, tok, *placement: started.append(("skyrl_vllm", cfg.trainer.policy.model.path)),
     )
     monkeypatch.setattr(
         servers,
-        "start_cpu_servers",
+        "launch_cpu_servers",
         lambda model, count, **kw: started.append(("cpu", model, count, kw["max_batch_size"])),
     )
     cfg = compose_unified("model.path=org/model", *overrides)
