@@ -45,7 +45,8 @@ def runtime_env_for(
         log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
         os.environ["SKYRL_LOG_FILE"] = log_file
         env_vars["SKYRL_LOG_FILE"] = log_file
-    return {"env_vars": env_vars, **platform.ray_runtime_env()}
+    platform_env = platform.ray_runtime_env()
+    return {**platform_env, "env_vars": {**env_vars, **platform_env.get("env_vars", {})}}
 
 
 def start_ray(
