@@ -83,6 +83,25 @@ def start_ray(
     return True
 
 
+def colocated_placement_group(skyrl_cfg: Any):
+    """SkyRL's ``colocate_all`` placement: one ``{GPU: 1, CPU: 1}`` bundle per inference GPU, which
+    the vLLM servers and the trainer's actors then share (as SkyRL's ``BasePPOExp.get_colocate_pg``)."""
+    from ray.util.placement_group import placement_group
+    from skyrl.env_vars import SKYRL_RAY_PG_TIMEOUT_IN_S
+    from skyrl.train.utils.utils import ResolvedPlacementGroup, get_ray_pg_ready_with_timeout
+
+    engines = skyrl_cfg.generator.inference_engine
+    slots = (
+        engines.num_engines
+        * engines.tensor_parallel_size
+        * engines.pipeline_parallel_size
+        * engines.data_parallel_size
+    )
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * slots, strategy="PACK")
+    get_ray_pg_ready_with_timeout(pg, timeout=SKYRL_RAY_PG_TIMEOUT_IN_S)
+    return ResolvedPlacementGroup(pg)
+
+
 def load_tokenizer(model_path: str):
     """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
     from transformers import AutoTokenizer
@@ -106,26 +125,34 @@ class Runtime:
         self.workers: SkyRLWorkers | None = None
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
+        self.placement_group: Any = None  # SkyRL's shared placement group, with colocate_all
         self.sync_dir = Path(run.checkpoint.root) / "sync"
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
         """Ray, then the workers of ``run.roles``, then (``serve``) the inference servers.
 
+        With ``colocate_all`` (CUDA), SkyRL's order instead: the shared placement group, the vLLM
+        servers (they size their memory on GPUs the trainer does not use yet), then the workers.
         A failure part-way stops whatever had started before re-raising.
         """
         runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
         try:
             runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+            if run.skyrl.trainer.placement.colocate_all:
+                runtime.placement_group = colocated_placement_group(run.skyrl)
+                if serve:
+                    runtime.servers = start_servers(run, runtime.tokenizer, runtime.placement_group)
             runtime.workers = SkyRLWorkers(
                 run.skyrl,
                 runtime.tokenizer,
                 total_training_steps=run.optimizer_steps,
                 roles=run.roles,
                 platform=run.platform,
+                placement_group=runtime.placement_group,
             )
             runtime.models = ModelRegistry(runtime.workers)
-            if serve:
+            if serve and runtime.servers is None:
                 runtime.servers = start_servers(run, runtime.tokenizer)
         except BaseException:
             runtime.shutdown()
@@ -143,12 +170,13 @@ class Runtime:
         )
 
     def shutdown(self) -> None:
-        """Stop servers, then workers, then Ray if we started it; every part even if one fails.
+        """Stop servers, workers, the shared placement group, then Ray if we started it; every part
+        even if one fails.
 
         Safe to call twice. The first failure is re-raised once everything was tried.
         """
         errors: list[BaseException] = []
-        for stop in (self._stop_servers, self._stop_workers, self._stop_ray):
+        for stop in (self._stop_servers, self._stop_workers, self._stop_placement_group, self._stop_ray):
             try:
                 stop()
             except BaseException as error:  # noqa: BLE001 (keep stopping the rest)
@@ -166,6 +194,13 @@ class Runtime:
         workers, self.workers, self.models = self.workers, None, None
         if workers is not None:
             workers.shutdown()
+
+    def _stop_placement_group(self) -> None:
+        placement_group, self.placement_group = self.placement_group, None
+        if placement_group is not None and ray.is_initialized():
+            from ray.util import remove_placement_group
+
+            remove_placement_group(placement_group.pg)
 
     def _stop_ray(self) -> None:
         if self.owns_ray and ray.is_initialized():

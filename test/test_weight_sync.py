@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from test_workers_cpu import PAIRS, config, sft_batch
+from test_workers_cpu import PAIRS, config, hf_state, sft_batch
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.engine import SkyRLEngine
@@ -95,6 +95,11 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().mean() < 1e-3
+        # The tiny model ties its embeddings, and the trainer kept them tied through training.
+        exported = hf_state(str(tmp_path / "sync"))
+        embed = exported["model.embed_tokens.weight"]
+        assert not torch.equal(embed, hf_state(tiny_model_dir)["model.embed_tokens.weight"])
+        assert "lm_head.weight" not in exported or torch.equal(exported["lm_head.weight"], embed)
     finally:
         asyncio.run(engine.close())
         servers.stop()
