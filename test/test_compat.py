@@ -208,10 +208,10 @@ FSDP_INIT = """
 
 
 @pytest.mark.parametrize("mode", ["unpatched", "patched"])
-def test_skyrl_fsdp_init_keeps_tied_embeddings_tied_only_with_the_patch(tiny_model_dir, mode):
+def test_skyrl_fsdp_init_keeps_tied_embeddings_tied_only_with_the_patch(tied_tiny_model_dir, mode):
     """SkyRL's own FSDP2 set-up and optimizer step, single rank: unpatched it unties the head."""
-    outcome = run_python(FSDP_INIT, tiny_model_dir, mode)
-    assert outcome["tied_at_load"] is True  # the tiny model ties its embeddings
+    outcome = run_python(FSDP_INIT, tied_tiny_model_dir, mode)
+    assert outcome["tied_at_load"] is True
     if mode == "unpatched":
         assert outcome["shared"] is False and outcome["equal_after_steps"] is False, outcome
     else:
@@ -219,19 +219,17 @@ def test_skyrl_fsdp_init_keeps_tied_embeddings_tied_only_with_the_patch(tiny_mod
         assert outcome["optimizer_tensors"] == outcome["model_parameters"]
 
 
-def test_retie_restores_what_transformers_tied_and_nothing_else(tiny_model_dir):
+def test_retie_restores_what_transformers_tied_and_nothing_else(tied_tiny_model_dir, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tied_tiny_model_dir, dtype=torch.float32)
     model.to(torch.device("meta"))
     assert model.lm_head.weight is not model.model.embed_tokens.weight  # what SkyRL's meta move does
     tied_embeddings.retie(model)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
-    untied = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, dtype=torch.float32, tie_word_embeddings=False
-    )
+    untied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     tied_embeddings.retie(untied)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight

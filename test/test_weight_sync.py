@@ -75,11 +75,13 @@ def _server_vs_trainer(engine: SkyRLEngine, workers: SkyRLWorkers, tokenizer):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, tmp_path):
+    """On the tied tiny model: the harder case, where trainer and server could disagree on the head."""
+    model_dir = tied_tiny_model_dir
     workers = SkyRLWorkers(
-        config(tiny_model_dir, tmp_path, **{"trainer.policy.optimizer_config.lr": 1e-2}), tiny_tokenizer
+        config(model_dir, tmp_path, **{"trainer.policy.optimizer_config.lr": 1e-2}), tiny_tokenizer
     )
-    servers = start_cpu_servers(tiny_model_dir, 1, tmp_path / "servers")
+    servers = start_cpu_servers(model_dir, 1, tmp_path / "servers")
     engine = SkyRLEngine.from_urls(servers.urls, tiny_tokenizer, max_prompt_length=64, max_response_length=6)
     try:
         before, trainer_before = _server_vs_trainer(engine, workers, tiny_tokenizer)
@@ -95,10 +97,10 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().mean() < 1e-3
-        # The tiny model ties its embeddings, and the trainer kept them tied through training.
+        # The trainer kept the tied embeddings tied through training.
         exported = hf_state(str(tmp_path / "sync"))
         embed = exported["model.embed_tokens.weight"]
-        assert not torch.equal(embed, hf_state(tiny_model_dir)["model.embed_tokens.weight"])
+        assert not torch.equal(embed, hf_state(model_dir)["model.embed_tokens.weight"])
         assert "lm_head.weight" not in exported or torch.equal(exported["lm_head.weight"], embed)
     finally:
         asyncio.run(engine.close())
