@@ -1,10 +1,12 @@
 """Advantages: rLLM's outcome estimators, SkyRL's GAE, and SkyRL's loss-reduction pre-scaling.
 
 Outcome estimators give one scalar per trajectory, computed within its ``TrajectoryGroup``
-(``reinforce_plus_plus_baseline`` also pools a standard deviation over all groups of a role). The
-numbers follow rLLM's ``rllm/trainer/algorithms`` so a run means the same thing on every rLLM
-backend. SkyRL's registered estimators (``ppo_utils.compute_grpo_outcome_advantage`` and friends)
-are not called for these: they differ from rLLM where it matters, as the tests pin down:
+(``reinforce_plus_plus_baseline`` and ``prpo`` also pool over all groups of a role). Under rLLM's
+trainer, rLLM's own functions and registry compute them (``batch_advantages``); the implementation
+here serves the standalone trainer and is tested equal to rLLM's on random groups. The numbers
+follow rLLM's ``rllm/trainer/algorithms`` so a run means the same thing on every rLLM backend.
+SkyRL's registered estimators (``ppo_utils.compute_grpo_outcome_advantage`` and friends) are not
+called for these: they differ from rLLM where it matters, as the tests pin down:
 
 - GRPO: SkyRL normalises by the unbiased group std, rLLM by the population std;
 - RLOO: a group of one gets advantage 0 in SkyRL, its reward in rLLM;
@@ -29,9 +31,10 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 from skyrl.train.dataset.preprocess import compute_prompt_boundaries
 
+from rllm_skyrl.compat import rllm
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
 
-ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline")
+ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline", "prpo")
 
 # A group whose rewards spread less than this carries no learning signal (rLLM's tolerance).
 ZERO_VARIANCE_STD = 1e-8
@@ -91,6 +94,13 @@ def outcome_advantages(
         # Leave-one-out mean as baseline: n/(n-1) * (r - mean). rLLM keeps the raw reward for n=1.
         factor_N = count_G[group_N] / (count_G[group_N] - 1).clamp(min=1)
         advantages_N = torch.where(single_N, rewards_N, factor_N * centered_N)
+    elif estimator == "prpo":  # baseline and scale pooled over every trajectory of the role
+        finite_rewards_N = rewards_N[finite_N]
+        mean = finite_rewards_N.mean() if finite_N.any() else torch.tensor(0.0, dtype=torch.float64)
+        std = (
+            finite_rewards_N.std(unbiased=False) if finite_N.any() else torch.tensor(0.0, dtype=torch.float64)
+        )
+        advantages_N = (rewards_N - mean) / (std + epsilon)
     else:  # reinforce_plus_plus_baseline: group-mean baseline, std pooled over the whole role.
         role_std = centered_N[finite_N].std(unbiased=False) if finite_N.any() else torch.tensor(0.0)
         advantages_N = centered_N / (role_std + epsilon)
@@ -116,7 +126,10 @@ class GroupAdvantages:
 
 
 def _group_rewards(group: Any) -> torch.Tensor:
-    rewards = [trajectory_reward(t) for t in group.trajectories]
+    """A group's outcome rewards; a group without a usable trajectory list counts as having none
+    (the data adapter drops it and says why)."""
+    trajectories = group.trajectories if isinstance(group.trajectories, list | tuple) else []
+    rewards = [trajectory_reward(t) for t in trajectories]
     return torch.tensor([float("nan") if r is None else r for r in rewards], dtype=torch.float64)
 
 
@@ -220,6 +233,71 @@ def compute_group_advantages(
     )
 
 
+@dataclass(frozen=True)
+class BatchAdvantages:
+    """What the data adapter needs: per-trajectory scalars, or ``on_steps`` (read ``step.advantage``)."""
+
+    by_group: list[list[float]] | None
+    on_steps: bool
+    metrics: dict[str, float]
+
+
+def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = None) -> BatchAdvantages:
+    """Outcome advantages for one step's groups, computed by whoever owns them.
+
+    - GAE (a critic): none yet; they come from the critic's values after its forward pass.
+    - rLLM's fully-async mode and ``use_precomputed_advantage``: already on the steps.
+    - rLLM's ``AlgorithmConfig``: rLLM's own functions and registry write them onto the steps.
+    - otherwise (the standalone trainer): this module's estimators, one scalar per trajectory.
+    Reward metrics (``reward/<role>/*`` and ``reward/mean``) come with every path.
+    """
+    rewards = reward_metrics(groups)
+    if run.uses_critic:
+        return BatchAdvantages(None, False, rewards)
+    if run.use_precomputed_advantage or run.async_training:
+        return BatchAdvantages(None, True, rewards)
+    if rllm.is_rllm_algorithm_config(algorithm_config):
+        return BatchAdvantages(None, True, {**rllm.rllm_advantages(groups, algorithm_config), **rewards})
+    outcome = compute_group_advantages(
+        groups, run.estimator, estimator_map=run.estimator_map, norm_by_std=run.norm_adv_by_std
+    )
+    by_group = [a.tolist() for a in outcome.advantages_by_group]
+    return BatchAdvantages(by_group, False, {**outcome.metrics, **rewards})
+
+
+def reward_metrics(groups: Sequence[Any]) -> dict[str, float]:
+    """``reward/<role>/{mean,std,max,min}`` and, over every role, ``reward/mean`` and ``reward/std``."""
+    by_role: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for group in groups:
+        by_role[group_role(group)].append(_group_rewards(group))
+    metrics: dict[str, float] = {}
+    for role, rewards in by_role.items():
+        rewards_N = torch.cat(rewards)
+        metrics |= _summary(f"reward/{role}", rewards_N[torch.isfinite(rewards_N)])
+    if by_role:
+        all_N = torch.cat([r for rewards in by_role.values() for r in rewards])
+        finite_N = all_N[torch.isfinite(all_N)]
+        if finite_N.numel():
+            metrics["reward/mean"] = finite_N.mean().item()
+            metrics["reward/std"] = finite_N.std(unbiased=False).item()
+    return metrics
+
+
+def zero_variance(groups: Sequence[Any], advantages: BatchAdvantages) -> list[bool]:
+    """Per group: whether every advantage is 0, so the group would push the policy nowhere."""
+    if advantages.by_group is not None:
+        return [all(abs(a) < ZERO_VARIANCE_STD for a in group) for group in advantages.by_group]
+    flags = []
+    for group in groups:
+        values = []
+        for trajectory in group.trajectories:
+            for step in trajectory.steps or []:
+                value = step.advantage
+                values.extend(value if isinstance(value, list | tuple) else [value or 0.0])
+        flags.append(all(abs(float(v)) < ZERO_VARIANCE_STD for v in values))
+    return flags
+
+
 def _real_rows(batch: TrainingInputBatch) -> int:
     """Rows that are not DP padding; refuses a slice whose metadata describes its parent batch."""
     row_ids = batch.metadata.get("row_ids")
@@ -264,6 +342,7 @@ def apply_loss_reduction(
     *,
     mini_batch_boundaries: Sequence[tuple[int, int]] | None = None,
     max_seq_len: int | None = None,
+    scale: float = 1.0,
 ) -> TrainingInputBatch:
     """Scale ``advantages`` so SkyRL's summed policy loss becomes the requested mean.
 
@@ -277,6 +356,8 @@ def apply_loss_reduction(
     ``mini_batch_boundaries``: ``(start, end)`` row ranges, one per optimizer step; default is all
     real rows as one. DP padding rows get advantage 0 and never count as sequences.
     ``seq_mean_token_sum_norm`` (Dr. GRPO) divides by ``max_seq_len``, which must then be given.
+    ``scale`` multiplies the result: the share of an optimizer step these rows are, when a step's
+    rows arrive in several calls whose gradients accumulate (rLLM's fully-async chunks).
     """
     key = loss_reduction.replace("-", "_")
     if key not in _LOSS_REDUCTIONS:
@@ -314,7 +395,7 @@ def apply_loss_reduction(
             max_seq_len=seq_len,
             prompt_boundaries=prompt_boundaries,
         )
-    batch["advantages"] = scaled_BT
+    batch["advantages"] = scaled_BT * scale if scale != 1.0 else scaled_BT
     # A fresh dict: slices taken earlier share the old metadata and must not look scaled.
     batch.metadata = {**batch.metadata, "loss_reduction": key}
     return batch

@@ -7,45 +7,39 @@ order). One training step reads as the algorithm:
     transform_to_backend_batch advantages per trajectory group, episodes -> TrainingInputBatch
     process_backend_batch      critic values + GAE (PPO), loss reduction, forward_backward
     update_policy              optimizer step(s)
-    on_batch_end               weight sync to the servers, checkpoint
+    on_batch_end               weight sync to the servers, checkpoint, the step's metrics
 
-Several mini-batches per step (``training.num_minibatches``) or PPO epochs interleave
-forward_backward and optim_step inside ``process_backend_batch``; the step's last optimizer step
-always lands in ``update_policy``, so gradients of one ``process_backend_batch`` accumulate until
-then, as rLLM's fully-async mode expects. What is resolved from the config is in ``run_config``;
+rLLM's fully-async mode calls transform/process once per chunk of a step's groups (gradients
+accumulate), then ``update_policy`` once, then ``on_policy_updated`` (the weight sync), then
+``on_batch_end``; rollouts keep running on the same event loop meanwhile, so every blocking call
+(Ray, HTTP, disk) runs in a worker thread. What is resolved from the config is in ``run_config``;
 what is started and stopped is in ``runtime``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import math
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
+from contextlib import nullcontext
 from typing import Any
 
 from omegaconf import DictConfig
 
 from rllm_skyrl import advantages as adv
-from rllm_skyrl.batch_layout import real_rows, row_slice, stack_rows
-from rllm_skyrl.checkpoint import CheckpointManager, failure_report
+from rllm_skyrl.batch_layout import stack_rows
+from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, failure_report
+from rllm_skyrl.compat import rllm
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
-from rllm_skyrl.metrics import logprob_gap_metrics, worker_metrics
+from rllm_skyrl.metrics import StepMetrics
+from rllm_skyrl.policy_update import PolicyUpdate
+from rllm_skyrl.rollout_ledger import restore_step_tokens
 from rllm_skyrl.run_config import RunConfig, resolve_run_config
+from rllm_skyrl.run_config.tree import hydra_cli_overrides
 from rllm_skyrl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def _timed(metrics: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        metrics[f"time/{name}"] = metrics.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 class SkyRLBackend:
@@ -57,40 +51,74 @@ class SkyRLBackend:
 
     name = "skyrl"
     requires_loop = False
+    # Backends whose runtime is up; a launcher stops them when the trainer around them fails to build.
+    _running: weakref.WeakSet[SkyRLBackend] = weakref.WeakSet()
+
+    @classmethod
+    def shutdown_all(cls) -> None:
+        """Stop every backend of this process that still has a runtime up."""
+        for backend in list(cls._running):
+            backend.shutdown()
 
     def __init__(self, config: DictConfig, cli_overrides: list[str] | None = None, **_: Any) -> None:
         self.config = config
-        self.cli_overrides = list(cli_overrides or [])
+        if cli_overrides is None:  # rLLM's UnifiedTrainer passes none: read the running Hydra app's
+            cli_overrides = hydra_cli_overrides()
+        self.cli_overrides = list(cli_overrides)
         self.run: RunConfig | None = None
         self.runtime: Runtime | None = None
         self.rollout_engine = None
         self.tokenizer = None
         self.checkpoints: CheckpointManager | None = None
-        self._step_metrics: dict[str, float] = {}
-        self._advantage_metrics: dict[str, float] = {}
+        self.metrics = StepMetrics()
+        self._algorithm_config: Any = None
+        self._update: PolicyUpdate | None = None
+        self._lock: CheckpointLock | None = None
+        self._resume_from = None
         self._updated = False
         self._last_trained_step: int | None = None
+        self.resumed_step: int | None = None  # the checkpointed step on_train_start resumed from
 
     # ------------------------------------------------------------------ set-up
 
     def validate_config(self) -> None:
-        """Every check that needs no Ray, no model and no server; errors name the key to change."""
+        """Every check that needs no Ray, no model and no server; errors name the key to change.
+
+        Keys of rLLM's tinker/verl backends are copied onto their counterparts in ``self.config``
+        here, before rLLM's trainer reads it (``run_config.aliases``).
+        """
         self.run = resolve_run_config(self.config, self.cli_overrides)
 
     def init_rollout_engine(self, **kwargs: Any):
         """Start Ray, the training workers and the inference servers; return the rollout engine."""
         from rllm_skyrl.engine import SkyRLEngine
 
-        self.run = self.run.for_total_steps(kwargs.get("total_training_steps") or 1)
+        self._algorithm_config = kwargs.get("algorithm_config")
+        run = self.run.for_total_steps(kwargs.get("total_training_steps") or 1)
+        self.run = run.with_algorithm_config(self._algorithm_config)
+        resume = self.run.checkpoint
+        # Before anything expensive: this run owns its checkpoint directory, and what it would
+        # resume from is readable.
+        self._lock = CheckpointLock(resume.root).acquire()
+        self.checkpoints = CheckpointManager(
+            resume.root, None, resume.max_to_keep, roles=self.run.trained_roles
+        )
+        try:
+            self._resume_from = self.checkpoints.validate(resume.resume_mode, resume.resume_from_path)
+        except BaseException:
+            self._lock.release()
+            raise
         try:  # a failure part-way must not leave Ray, workers or servers behind
             self.runtime = Runtime.start(self.run)
+            SkyRLBackend._running.add(self)
+            self.checkpoints.workers = self.runtime.workers
             self.tokenizer = self.runtime.tokenizer
             for role in self.run.trained_roles:  # model ids are the role names
                 self.runtime.models.create_model(role, model_role=role)
             self.rollout_engine = SkyRLEngine.for_servers(self.runtime.servers, self.tokenizer, self.run)
             self.runtime.connect_weight_sync(self.rollout_engine.client)
-            self.checkpoints = CheckpointManager(
-                self.run.checkpoint.root, self.runtime.workers, self.run.checkpoint.max_to_keep
+            self._update = PolicyUpdate(
+                self.run, self.runtime.models, self.runtime.workers.dp_size("policy"), self.metrics
             )
         except BaseException:
             self.shutdown()
@@ -100,139 +128,104 @@ class SkyRLBackend:
     # ------------------------------------------------------------------ rollouts
 
     async def generate_episodes(
-        self, batch: Any, agent_workflow_engine: Any, is_validation: bool = False, **_
+        self, batch: Any, agent_workflow_engine: Any, is_validation: bool = False, **kwargs: Any
     ):
-        """Roll out each task n (or n_val) times under one task id, as rLLM's backends do."""
+        """Roll out each task n (or n_val) times under one task id, as rLLM's backends do.
+
+        Rows may be dicts or rLLM ``Task`` objects; a row's ``data_source`` names its validation
+        metrics (``val/<data_source>/pass@k``), as with rLLM's verl backend.
+        """
+        self.runtime.servers.check_alive()
         n = self.run.rollout_n_val if is_validation else self.run.rollout_n
-        tasks, task_ids = [], []
-        for row in batch:
-            task_id = str(row.get("uid") or row.get("id") or row.get("task_id") or len(task_ids))
-            tasks.extend([row] * n)
-            task_ids.extend([task_id] * n)
-        if self.rollout_engine is not None:
-            self.rollout_engine.is_validation = is_validation
-        metrics = {} if is_validation else self._step_metrics
-        with _timed(metrics, "generate"):
-            episodes = await agent_workflow_engine.execute_tasks(tasks, task_ids, is_validation=is_validation)
+        tasks, task_ids = rllm.task_ids(batch, n)
+        with self.metrics.timed("generate") if not is_validation else nullcontext():
+            episodes = await agent_workflow_engine.execute_tasks(
+                tasks, task_ids, is_validation=is_validation, **kwargs
+            )
+        self.runtime.servers.check_alive()  # a server that died mid-rollout failed those rollouts
+        for episode, task in zip(episodes, tasks, strict=True):
+            source = rllm.task_field(task, "data_source")
+            if source is not None and episode is not None:
+                episode.metadata["data_source"] = source
         if not is_validation:
-            tokens = sum(len(s.response_ids) for e in episodes for t in e.trajectories for s in t.steps)
-            metrics["perf/rollout_tokens"] = float(tokens)
-            metrics["perf/rollout_tokens_per_s"] = tokens / max(metrics["time/generate"], 1e-9)
+            tokens = sum(len(s.response_ids or []) for e in episodes for t in e.trajectories for s in t.steps)
+            self.metrics.add({"perf/rollout_tokens": float(tokens)})
         return episodes
 
     # ------------------------------------------------------------------ training
 
     def transform_to_backend_batch(self, trainer_state: Any, **_):
-        """Advantages per trajectory group (outcome estimators), then trajectories -> rows."""
-        run, metrics = self.run, self._step_metrics
+        """Tokens the workflow dropped restored, advantages per group, trajectories -> rows."""
+        run = self.run
         groups = list(trainer_state.trajectory_groups)
-        outcome = None
-        with _timed(metrics, "transform"):
-            if not run.uses_critic and not run.use_precomputed_advantage:
-                outcome = adv.compute_group_advantages(
-                    groups, run.estimator, estimator_map=run.estimator_map, norm_by_std=run.norm_adv_by_std
-                )
-                self._advantage_metrics = dict(outcome.metrics)
-                if run.filter_zero_variance_groups:
-                    keep = [i for i, a in enumerate(outcome.advantages_by_group) if a.abs().max() > 1e-8]
-                    metrics["batch/filtered_zero_variance_groups"] = float(len(groups) - len(keep))
-                    groups = [groups[i] for i in keep]
-                    outcome.advantages_by_group = [outcome.advantages_by_group[i] for i in keep]
+        with self.metrics.timed("transform"):
+            restored, unmatched = restore_step_tokens(groups, self.rollout_engine.ledger)
+            self.metrics.add(
+                {"batch/steps_restored_from_rollouts": restored, "batch/steps_without_tokens": unmatched}
+            )
+            advantages = adv.batch_advantages(groups, run, self._algorithm_config)
+            self.metrics.add(advantages.metrics)
+            by_group = advantages.by_group
+            if run.filter_zero_variance_groups and not run.uses_critic:
+                keep = [i for i, flat in enumerate(adv.zero_variance(groups, advantages)) if not flat]
+                self.metrics.add({"batch/filtered_zero_variance_groups": len(groups) - len(keep)})
+                groups = [groups[i] for i in keep]
+                by_group = None if by_group is None else [by_group[i] for i in keep]
             config = BatchConfig(
                 pad_token_id=self.tokenizer.pad_token_id,
                 dp_size=self.runtime.workers.dp_size("policy"),
                 max_seq_len=run.max_prompt_length + run.max_response_length,
                 vocab_size=len(self.tokenizer),
                 drop_malformed=run.drop_malformed,
-                use_precomputed_advantages=run.use_precomputed_advantage,
+                use_precomputed_advantages=advantages.on_steps,
             )
-            advantages = [a.tolist() for a in outcome.advantages_by_group] if outcome is not None else None
             try:
-                batch, stats = trajectory_groups_to_batch(groups, config, advantages)
+                batch, stats = trajectory_groups_to_batch(groups, config, by_group)
             except EmptyBatchError as error:
                 logger.warning("step %s: %s; skipping the update", trainer_state.global_step, error)
-                metrics["batch/skipped_update"] = 1.0
+                self.metrics.add({"batch/skipped_update": 1.0})
                 return _EMPTY
-        metrics.update(stats.metrics())
+        self.metrics.add(stats.metrics())
         return batch
 
     async def process_backend_batch(self, trainer_state: Any, **_) -> None:
         """Critic values and GAE (PPO), old/reference logprobs, loss reduction, forward_backward."""
         batch = trainer_state.backend_batch
-        if batch is _EMPTY:
-            return
-        run, metrics, workers = self.run, self._step_metrics, self.runtime.workers
+        if batch is not _EMPTY:
+            await asyncio.to_thread(self._process, batch)
+
+    def _process(self, batch: Any) -> None:
+        run, workers = self.run, self.runtime.workers
         algo = run.skyrl.trainer.algorithm
         if run.uses_critic:
-            with _timed(metrics, "critic_forward"):
+            with self.metrics.timed("critic_forward"):
                 values_BT = stack_rows(workers.forward("critic", batch).loss_fn_outputs, "values")
             adv.add_gae_advantages(batch, values_BT, gamma=algo.gamma, lambd=algo.lambd)
         if not run.bypass_mode:
-            with _timed(metrics, "old_logprobs"):
-                batch["action_log_probs"] = stack_rows(
-                    workers.forward("policy", batch).loss_fn_outputs, "logprobs"
-                )
+            with self.metrics.timed("old_logprobs"):
+                outputs = workers.forward("policy", batch).loss_fn_outputs
+            batch["action_log_probs"] = stack_rows(outputs, "logprobs")
         if run.uses_ref:
-            with _timed(metrics, "ref_forward"):
-                batch["base_action_log_probs"] = stack_rows(
-                    workers.forward("ref", batch).loss_fn_outputs, "logprobs"
-                )
-        boundaries = self._minibatch_boundaries(batch)
+            with self.metrics.timed("ref_forward"):
+                outputs = workers.forward("ref", batch).loss_fn_outputs
+            batch["base_action_log_probs"] = stack_rows(outputs, "logprobs")
+        boundaries = self._update.boundaries(batch)
         adv.apply_loss_reduction(
             batch,
             run.loss_reduction,
             mini_batch_boundaries=boundaries,
             max_seq_len=batch["loss_mask"].shape[1],
+            scale=1.0 / run.async_chunks,  # a step's chunks each carry their share of its mean
         )
-        self._train(batch, boundaries)
-
-    def _minibatch_boundaries(self, batch) -> list[tuple[int, int]]:
-        """Contiguous row ranges, one per optimizer step; each a multiple of the DP size."""
-        dp = self.runtime.workers.dp_size("policy")
-        real = real_rows(batch)
-        count = min(self.run.num_minibatches, max(real // dp, 1))
-        size = math.ceil(real / count / dp) * dp
-        return [(start, min(start + size, real)) for start in range(0, real, size)]
-
-    def _train(self, batch, boundaries: list[tuple[int, int]]) -> None:
-        """forward_backward per mini-batch; an optimizer step between them, the last one in update_policy."""
-        run, metrics = self.run, self._step_metrics
-        plan = boundaries * run.update_epochs
-        dp = self.runtime.workers.dp_size("policy")
-        losses = {"policy": run.policy_loss, "critic": run.critic_loss}
-        for index, (start, end) in enumerate(plan):
-            minibatch = row_slice(batch, start, end, dp)
-            for role in run.trained_roles:
-                with _timed(metrics, "forward_backward" if role == "policy" else f"forward_backward_{role}"):
-                    output = self.runtime.models.forward_backward(role, minibatch, losses[role])
-                metrics.update(worker_metrics(role, output.metrics))
-                if role == "policy" and index == 0:
-                    rows = [{"logprobs": row["logprobs"]["data"]} for row in output.loss_fn_outputs]
-                    metrics.update(logprob_gap_metrics(minibatch, rows))
-            if index < len(plan) - 1:
-                self._optim_step()
+        self._update.accumulate(batch, boundaries)
         self._updated = True
 
-    def _optim_step(self) -> None:
-        with _timed(self._step_metrics, "optim_step"):
-            for role in self.run.trained_roles:
-                grad_norm = self.runtime.models.optim_step(role)
-                if grad_norm is not None:
-                    prefix = "train" if role == "policy" else role
-                    self._step_metrics[f"{prefix}/grad_norm"] = float(grad_norm)
-
     async def compute_advantages(self, trainer_state: Any, algorithm_config: Any = None, **_) -> None:
-        """Advantages were computed before the forward-backward needed them; report them here."""
-        trainer_state.metrics.update(self._advantage_metrics)
-        batch = trainer_state.backend_batch
-        if batch is not _EMPTY and batch is not None and "advantages" in batch:
-            mask = batch["loss_mask"] > 0
-            if mask.any():
-                trainer_state.metrics["advantage/token_scaled/mean"] = batch["advantages"][mask].mean().item()
+        """Advantages were computed before the forward-backward needed them (see transform)."""
 
     async def update_policy(self, trainer_state: Any, **_) -> None:
         if self._updated:
-            self._optim_step()
+            await asyncio.to_thread(self._update.optim_step)
 
     # ------------------------------------------------------------------ hooks
 
@@ -243,13 +236,17 @@ class SkyRLBackend:
         a resumed run samples exactly what an uninterrupted one would have.
         """
         self._outer_error = sys.exc_info()[1]  # an exception fit() itself runs inside is not ours
+        self.metrics.clear()
         if self.run.inference.deterministic_sampling:
             self.rollout_engine.request_seed = self.run.seed
         resume = self.run.checkpoint
-        resumed = self.checkpoints.resume(
-            mode=resume.resume_mode, path=resume.resume_from_path, trainer_state=trainer_state
+        resumed = await asyncio.to_thread(
+            self.checkpoints.resume,
+            mode=resume.resume_mode,
+            path=resume.resume_from_path,
+            trainer_state=trainer_state,
         )
-        self._last_trained_step = resumed
+        self._last_trained_step = self.resumed_step = resumed
         if resumed is not None:
             await self._sync_weights(version=resumed)
 
@@ -260,33 +257,38 @@ class SkyRLBackend:
         pass
 
     async def on_batch_start(self, trainer_state: Any) -> None:
-        self._step_metrics = {}
-        self._advantage_metrics = {}
-        self._updated = False
+        # In fully-async mode this runs once per chunk: the step's state resets in on_batch_end.
+        if self.runtime is not None:
+            self.runtime.mark_first_step()
 
     async def on_batch_end(self, trainer_state: Any) -> None:
-        """Weight sync after an update, then a checkpoint every ``rllm.trainer.save_freq`` steps.
+        """Weight sync after an update (on-policy mode), a checkpoint every ``save_freq`` steps, and
+        the step's metrics (tinker's ``progress/*`` and ``time/*`` among them).
 
         This hook also runs while a failed step's exception propagates (the standalone trainer
         calls it from ``finally``); then nothing is published or saved: the run stops, and a
         resume continues from the last complete checkpoint.
         """
-        metrics = self._step_metrics
         step = trainer_state.global_step
         if not self._failing():
-            if self._updated:
-                with _timed(metrics, "weight_sync"):
+            if self._updated and not self.run.async_training:  # fully-async: on_policy_updated syncs
+                with self.metrics.timed("weight_sync"):
                     await self._sync_weights(version=step)
             self._last_trained_step = step  # completed, updated or (empty batch) skipped
             save_freq = self.run.checkpoint.save_freq
             if save_freq > 0 and step % save_freq == 0:
-                with _timed(metrics, "save_checkpoint"):
-                    self.checkpoints.save(step, trainer_state)
-        trainer_state.metrics.update(metrics)
+                with self.metrics.timed("save_checkpoint"):
+                    await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
+        trainer_state.metrics.update(self.metrics.publish_step(trainer_state))
+        if self.runtime is not None:
+            trainer_state.metrics.update(self.runtime.startup_metrics())  # once, on the first step
+        self.metrics.clear()
+        self._updated = False
 
     async def on_policy_updated(self, trainer_state: Any) -> None:
-        """Fully-async mode: the update happened in update_policy; publish the new weights."""
-        await self._sync_weights(version=trainer_state.global_step)
+        """Fully-async mode: the update happened in update_policy; publish it as the trainer's version."""
+        with self.metrics.timed("weight_sync"):
+            await self._sync_weights(version=trainer_state.weight_version)
 
     async def on_validation_start(self, trainer_state: Any) -> bool:
         trainer_state.is_training = False
@@ -294,7 +296,7 @@ class SkyRLBackend:
 
     async def on_validation_end(self, trainer_state: Any) -> None:
         trainer_state.is_training = True
-        if self.rollout_engine is not None:
+        if self.rollout_engine is not None:  # rLLM's async loop never resets it for training rollouts
             self.rollout_engine.is_validation = False
 
     async def on_train_end(self, trainer_state: Any) -> None:
@@ -309,10 +311,10 @@ class SkyRLBackend:
             logger.error(failure_report(sys.exc_info()[1], trainer_state.global_step, self.checkpoints))
             return
         step = self._last_trained_step
-        if self.checkpoints is None or step is None or not self.run.checkpoint.save_freq:
-            return
+        if self.checkpoints is None or step is None or self.run.checkpoint.save_freq <= 0:
+            return  # save_freq <= 0: no checkpoints at all (rLLM's scripts pass -1 for that)
         if self.checkpoints.latest_step() != step:
-            self.checkpoints.save(step, trainer_state)
+            await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
 
     def _failing(self) -> bool:
         """True while an exception raised inside fit() propagates through a hook."""
@@ -326,8 +328,14 @@ class SkyRLBackend:
     def shutdown(self) -> None:
         """Stop servers, workers and Ray (if this run started it); safe to call twice."""
         runtime, self.runtime = self.runtime, None
-        if runtime is not None:
-            runtime.shutdown()
+        SkyRLBackend._running.discard(self)
+        try:
+            if runtime is not None:
+                runtime.shutdown()
+        finally:
+            lock, self._lock = getattr(self, "_lock", None), None
+            if lock is not None:
+                lock.release()
 
 
 class _EmptyBatch:

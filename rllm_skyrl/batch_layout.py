@@ -15,12 +15,108 @@ batches are padded with SkyRL's own ``pad_training_input_batch`` (copies of row 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch, pad_training_input_batch
 
 PAD_ROW_ID = "<pad>"
+
+
+class Piece(NamedTuple):
+    """A run of a row's response-window tokens: sampled by the model (``trained``) or context.
+
+    Context pieces (observations between turns) get ``loss_mask`` 0 and logprob/advantage 0.
+    ``advantages`` is one value per token or one value for all of them.
+    """
+
+    ids: np.ndarray
+    trained: bool
+    logprobs: np.ndarray | None = None
+    advantages: np.ndarray | float | None = None
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row: its prompt, its response window as pieces, and the outcome reward on its last token."""
+
+    prompt_ids: np.ndarray
+    pieces: Sequence[Piece]
+    reward: float = 0.0
+
+    @property
+    def response_length(self) -> int:
+        return sum(len(piece.ids) for piece in self.pieces)
+
+
+def _trailing_ones(lengths: np.ndarray, width: int) -> np.ndarray:
+    """``[B, width]`` int64 masks whose last ``lengths[i]`` entries of row ``i`` are 1."""
+    mask = np.empty((len(lengths), width), dtype=np.int64)
+    np.greater_equal(np.arange(width)[None, :], (width - lengths)[:, None], out=mask, casting="unsafe")
+    return mask
+
+
+def build_rows(
+    pad_token_id: int, rows: Sequence[RowSpec], *, logprobs: bool, advantages: bool
+) -> dict[str, torch.Tensor]:
+    """Rows -> SkyRL's tensors, exactly as ``convert_prompts_responses_to_batch_tensors`` lays them out.
+
+    ``sequences`` (int64) left-padded ``[PAD | prompt | response]`` with its ``attention_mask``;
+    ``response_mask``, ``loss_mask``, ``rewards`` and, when asked for, ``rollout_logprobs`` and
+    ``advantages`` (float32) right-aligned in ``[B, max_response]``. SkyRL's builder takes one
+    Python list per row and field; this one copies numpy pieces straight into preallocated
+    arrays, which keeps a 2 M-token batch in tens of milliseconds.
+    """
+    if not rows:
+        raise ValueError("no rows to lay out")
+    prompt_lens = np.array([len(row.prompt_ids) for row in rows], dtype=np.int64)
+    response_lens = np.array([row.response_length for row in rows], dtype=np.int64)
+    max_total = int((prompt_lens + response_lens).max())
+    width = int(response_lens.max())
+    num_rows = len(rows)
+
+    sequences = np.full((num_rows, max_total), pad_token_id, dtype=np.int64)
+    loss_mask = np.zeros((num_rows, width), dtype=np.float32)
+    rewards = np.zeros((num_rows, width), dtype=np.float32)
+    logprobs_BT = np.zeros((num_rows, width), dtype=np.float32) if logprobs else None
+    advantages_BT = np.zeros((num_rows, width), dtype=np.float32) if advantages else None
+    for i, row in enumerate(rows):
+        # Row views: 1-D slice assignment costs half of indexing the 2-D arrays piece by piece.
+        sequence, mask = sequences[i], loss_mask[i]
+        row_logprobs = logprobs_BT[i] if logprobs_BT is not None else None
+        row_advantages = advantages_BT[i] if advantages_BT is not None else None
+        position = max_total - int(prompt_lens[i] + response_lens[i])
+        sequence[position : position + len(row.prompt_ids)] = row.prompt_ids
+        position += len(row.prompt_ids)
+        column = width - int(response_lens[i])
+        for piece in row.pieces:
+            n = len(piece.ids)
+            sequence[position : position + n] = piece.ids
+            if piece.trained:
+                mask[column : column + n] = 1.0
+                if row_logprobs is not None and piece.logprobs is not None:
+                    row_logprobs[column : column + n] = piece.logprobs
+                if row_advantages is not None and piece.advantages is not None:
+                    row_advantages[column : column + n] = piece.advantages
+            position += n
+            column += n
+    rewards[:, width - 1] = [row.reward for row in rows]
+    attention_mask = _trailing_ones(prompt_lens + response_lens, max_total)
+    response_mask = _trailing_ones(response_lens, width)
+    out = {
+        "sequences": torch.from_numpy(sequences),
+        "attention_mask": torch.from_numpy(attention_mask),
+        "response_mask": torch.from_numpy(response_mask),
+        "loss_mask": torch.from_numpy(loss_mask),
+        "rewards": torch.from_numpy(rewards),
+    }
+    if logprobs_BT is not None:
+        out["rollout_logprobs"] = torch.from_numpy(logprobs_BT)
+    if advantages_BT is not None:
+        out["advantages"] = torch.from_numpy(advantages_BT)
+    return out
 
 
 def right_aligned(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
@@ -70,6 +166,19 @@ def row_slice(batch: TrainingInputBatch, start: int, end: int, dp_size: int) -> 
     for key in ("uids", "row_ids"):
         if key in metadata:
             metadata[key] = list(metadata[key][start:end])
+    metadata["pad_size"] = 0
+    part.metadata = metadata
+    return pad_to_multiple(part, dp_size)
+
+
+def select_rows(batch: TrainingInputBatch, rows: Sequence[int], dp_size: int) -> TrainingInputBatch:
+    """Any real rows (e.g. the rows of one role within a mini-batch), metadata to match, padded."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    part = TrainingInputBatch({key: None if value is None else value[index] for key, value in batch.items()})
+    metadata = dict(batch.metadata)
+    for key in ("uids", "row_ids"):
+        if key in metadata:
+            metadata[key] = [metadata[key][i] for i in rows]
     metadata["pad_size"] = 0
     part.metadata = metadata
     return pad_to_multiple(part, dp_size)

@@ -6,9 +6,12 @@ pydantic types and ``rllm_skyrl.types`` both work:
 ``Trajectory(uid, name=role, steps, reward)``,
 ``Step(prompt_ids, response_ids, logprobs, reward, advantage, metadata)``.
 
-Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``, built by its own
-``convert_prompts_responses_to_batch_tensors``): ``sequences`` left-padded
-``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``.
+Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``): ``sequences`` left-padded
+``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``. The rows
+are written by ``batch_layout.build_rows``, which produces exactly what SkyRL's
+``convert_prompts_responses_to_batch_tensors`` does (the tests hold it to that) from numpy arrays
+instead of per-token Python lists. Every field is checked and read once, vectorised
+(``trajectory_checks``), before any tensor is built.
 
 Multi-turn merging: a step whose prompt starts with everything the row holds so far (previous
 prompt + previous responses) continues that row. The extra prompt tokens are observations
@@ -27,23 +30,28 @@ which is Tinker's convention; a backend that wants a proximal policy overwrites 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
+import numpy as np
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
-from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-from rllm_skyrl.batch_layout import pad_to_multiple, right_aligned
+from rllm_skyrl.batch_layout import Piece, RowSpec, build_rows, pad_to_multiple
 from rllm_skyrl.trajectory_checks import (
     MalformedTrajectoryError,
-    check_tokens,
+    check_group,
+    check_group_id,
     check_trajectory,
+    group_label,
+    int_ids,
+    outcome_reward,
+    real_scalar,
     step_fields,
-    token_ids,
+    step_lineage,
     trajectory_label,
-    trajectory_reward,
 )
 
 
@@ -75,7 +83,11 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class BatchStats:
-    """What the conversion did, per kept trajectory and per row; ``metrics()`` uses rLLM's names."""
+    """What the conversion did, per kept trajectory and per row; ``metrics()`` uses rLLM's names.
+
+    ``drop_reasons[i]`` is the message of the i-th dropped item and ``drop_fields[i]`` the field
+    it failed on (``MalformedTrajectoryError.field_name``).
+    """
 
     num_pad_rows: int = 0
     dropped_malformed: int = 0
@@ -84,6 +96,7 @@ class BatchStats:
     rows_per_traj: tuple[int, ...] = ()
     response_lengths: tuple[int, ...] = ()
     action_token_ratios: tuple[float, ...] = ()
+    drop_fields: tuple[str, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -101,6 +114,8 @@ class BatchStats:
             "batch/num_pad_rows": float(self.num_pad_rows),
             "batch/merge_compression_ratio": self.merge_compression_ratio,
         }
+        for field_name, count in sorted(Counter(self.drop_fields).items()):
+            out[f"batch/dropped_malformed/{field_name}"] = float(count)
         for name, values in (
             ("steps_per_traj", self.steps_per_traj),
             ("merged_steps_per_traj", self.rows_per_traj),
@@ -118,46 +133,51 @@ class BatchStats:
 
 @dataclass
 class _Row:
-    """One training row under construction; lists are aligned with ``response_ids``."""
+    """One training row under construction: a prompt and the pieces of its response window.
+
+    The row so far is always the last merged step's prompt followed by its response, which is what
+    a continuing step's prompt must start with.
+    """
 
     label: str
     group_id: str
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray
     first_step: int
-    response_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    advantages: list[float] = field(default_factory=list)
-    last_step: int = 0
+    reward: float = 0.0
+    pieces: list[Piece] = field(default_factory=list)
+    model_tokens: int = 0
+    last_step: int = field(init=False)
+    last_prompt: np.ndarray = field(init=False)
+    last_response: np.ndarray = field(init=False)
+    length: int = field(init=False)
 
-    def extended_by(self, prompt_ids: list[int]) -> bool:
-        """Whether a step with this prompt continues the row (its prompt starts with the row so far)."""
-        held = self.length
-        return (
-            len(prompt_ids) >= held
-            and prompt_ids[: len(self.prompt_ids)] == self.prompt_ids
-            and prompt_ids[len(self.prompt_ids) : held] == self.response_ids
-        )
-
-    def append(
-        self,
-        step_index: int,
-        observation_ids: list[int],
-        response_ids: list[int],
-        logprobs: list[float],
-        advantages: list[float],
-    ) -> None:
-        """Observations are context (mask 0); the step's sampled tokens are what we train on (mask 1)."""
-        n_obs = len(observation_ids)
-        self.response_ids += observation_ids + response_ids
-        self.loss_mask += [0] * n_obs + [1] * len(response_ids)
-        self.logprobs += [0.0] * n_obs + logprobs
-        self.advantages += [0.0] * n_obs + advantages
-        self.last_step = step_index
+    def __post_init__(self) -> None:
+        self.last_step = self.first_step
+        self.last_prompt, self.last_response = self.prompt_ids, self.prompt_ids[:0]
+        self.length = len(self.prompt_ids)
 
     @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+    def response_length(self) -> int:
+        return self.length - len(self.prompt_ids)
+
+    def extended_by(self, prompt_ids: np.ndarray) -> bool:
+        """Whether a step with this prompt continues the row (its prompt starts with the row so far)."""
+        if len(prompt_ids) < self.length:
+            return False
+        raw = _raw(prompt_ids)
+        return raw.startswith(_raw(self.last_prompt)) and raw.startswith(
+            _raw(self.last_response), self.last_prompt.nbytes
+        )
+
+    def append(self, step_index: int, prompt_ids: np.ndarray, response: Piece) -> None:
+        """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
+        observation = prompt_ids[self.length :]
+        if len(observation):
+            self.pieces.append(Piece(observation, trained=False))
+        self.pieces.append(response)
+        self.model_tokens += len(response.ids)
+        self.last_step, self.last_prompt, self.last_response = step_index, prompt_ids, response.ids
+        self.length = len(prompt_ids) + len(response.ids)
 
     @property
     def step_span(self) -> str:
@@ -169,41 +189,62 @@ class _Row:
     def row_id(self) -> str:
         return f"{self.label} {self.step_span}"
 
+    def spec(self) -> RowSpec:
+        return RowSpec(self.prompt_ids, self.pieces, self.reward)
 
-def _lineages(steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
+
+def _raw(ids: np.ndarray) -> bytes:
+    """A step's int64 ids as bytes, for a memcmp prefix test: the buffer they were packed into, or a copy."""
+    base = ids.base
+    return base if type(base) is bytes and len(base) == ids.nbytes else ids.tobytes()
+
+
+def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
     """Steps split by ``metadata["lineage_id"]`` in first-seen order; untagged steps share one lineage."""
     by_lineage: dict[Any, list[tuple[int, Any]]] = {}
     for index, step in enumerate(steps):
-        lineage = (getattr(step, "metadata", None) or {}).get("lineage_id")
-        by_lineage.setdefault(lineage, []).append((index, step))
+        by_lineage.setdefault(step_lineage(label, index, step), []).append((index, step))
     return list(by_lineage.values())
 
 
+_NO_ADVANTAGE = object()
+
+
 def _trajectory_rows(
-    group: Any, traj_index: int, config: BatchConfig, advantage: float | None, needs_advantages: bool
-) -> list[_Row]:
-    """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``."""
-    trajectory = group.trajectories[traj_index]
+    group: Any,
+    traj_index: int,
+    trajectory: Any,
+    config: BatchConfig,
+    advantage: Any,
+    needs_advantages: bool,
+) -> tuple[list[_Row], int]:
+    """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
+
+    ``advantage`` is the trajectory's scalar advantage, ``_NO_ADVANTAGE`` when none is given.
+    """
     label = trajectory_label(group, traj_index)
-    check_trajectory(trajectory, label, config, advantage)
+    group_id = check_group_id(group, label)
+    steps = check_trajectory(trajectory, label, config)
+    # The reward first: a bad reward is the usual cause of a bad advantage, so it is what to name.
+    reward = outcome_reward(trajectory, label, config)
+    scalar = None
+    if advantage is not _NO_ADVANTAGE:
+        scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
-    for lineage in _lineages(trajectory.steps):
+    for lineage in _lineages(label, steps):
         row: _Row | None = None
         for index, step in lineage:
-            prompt_ids, response_ids, logprobs, advantages = step_fields(
-                label, index, step, config, advantage, needs_advantages
-            )
-            if row is not None and row.extended_by(prompt_ids):
-                observation_ids = prompt_ids[row.length :]
-            else:
-                if not prompt_ids:
+            fields = step_fields(label, index, step, config, scalar, needs_advantages)
+            if row is None or not row.extended_by(fields.prompt_ids):
+                if not len(fields.prompt_ids):
                     raise MalformedTrajectoryError(
                         label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                     )
-                row = _Row(label=label, group_id=group.group_id, prompt_ids=prompt_ids, first_step=index)
+                row = _Row(label, group_id, fields.prompt_ids, first_step=index)
                 rows.append(row)
-                observation_ids = []
-            row.append(index, observation_ids, response_ids, logprobs, advantages)
+            row.append(
+                index, fields.prompt_ids, Piece(fields.response_ids, True, fields.logprobs, fields.advantages)
+            )
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 raise MalformedTrajectoryError(
                     label,
@@ -213,7 +254,9 @@ def _trajectory_rows(
                     f"more than max_seq_len={config.max_seq_len}",
                     "raise max_seq_len or cap the rollout's prompt and response lengths",
                 )
-    return rows
+    for row in rows:
+        row.reward = reward
+    return rows, len(steps)
 
 
 def trajectory_groups_to_batch(
@@ -228,6 +271,10 @@ def trajectory_groups_to_batch(
     Leave it ``None`` to build a batch without advantages (GAE adds them after the critic's
     forward) or when ``config.use_precomputed_advantages`` reads them from the steps.
 
+    Every trajectory is checked (``trajectory_checks``) before any tensor is built. A malformed one
+    raises ``MalformedTrajectoryError``, or with ``config.drop_malformed`` is dropped and counted
+    (a group whose ``trajectories`` is unusable counts as one drop).
+
     ``metadata``: ``uids`` (group id per row: SkyRL's prompt identity, contiguous), ``row_ids``
     (who a row came from, for error messages), ``response_length``, ``pad_size``.
     """
@@ -241,79 +288,89 @@ def trajectory_groups_to_batch(
         )
     needs_advantages = trajectory_advantages is not None or config.use_precomputed_advantages
     rows: list[_Row] = []
-    rewards: list[float] = []
     steps_per_traj: list[int] = []
     rows_per_traj: list[int] = []
-    drop_reasons: list[str] = []
+    dropped: list[MalformedTrajectoryError] = []
+
+    def drop(err: MalformedTrajectoryError) -> None:
+        if not config.drop_malformed:
+            raise err
+        dropped.append(err)
+
     for g, group in enumerate(groups):
+        try:
+            trajectories = check_group(group, group_label(group, g))
+        except MalformedTrajectoryError as err:
+            drop(err)
+            continue
         group_advantages = trajectory_advantages[g] if trajectory_advantages is not None else None
-        if group_advantages is not None and len(group_advantages) != len(group.trajectories):
+        if group_advantages is not None and len(group_advantages) != len(trajectories):
             raise ValueError(
-                f"group '{group.group_id}': {len(group_advantages)} advantages for "
-                f"{len(group.trajectories)} trajectories"
+                f"{group_label(group, g)}: {len(group_advantages)} advantages for "
+                f"{len(trajectories)} trajectories"
             )
-        for t, trajectory in enumerate(group.trajectories):
-            advantage = float(group_advantages[t]) if group_advantages is not None else None
+        for t, trajectory in enumerate(trajectories):
+            advantage = group_advantages[t] if group_advantages is not None else _NO_ADVANTAGE
             try:
-                traj_rows = _trajectory_rows(group, t, config, advantage, needs_advantages)
+                traj_rows, num_steps = _trajectory_rows(
+                    group, t, trajectory, config, advantage, needs_advantages
+                )
             except MalformedTrajectoryError as err:
-                if not config.drop_malformed:
-                    raise
-                drop_reasons.append(str(err))
+                drop(err)
                 continue
             rows += traj_rows
-            rewards += [trajectory_reward(trajectory) or 0.0] * len(traj_rows)
-            steps_per_traj.append(len(trajectory.steps))
+            steps_per_traj.append(num_steps)
             rows_per_traj.append(len(traj_rows))
     if not rows:
-        detail = f" (first: {drop_reasons[0]})" if drop_reasons else ""
-        raise EmptyBatchError(
-            f"no trainable rows: {len(drop_reasons)} trajectories dropped as malformed{detail}"
-        )
+        detail = f" (first: {dropped[0]})" if dropped else ""
+        raise EmptyBatchError(f"no trainable rows: {len(dropped)} trajectories dropped as malformed{detail}")
 
     # The outcome reward sits on each row's last token, which is always a model token; SkyRL's
     # GAE reads rewards per token from there.
-    token_rewards = [
-        [0.0] * (len(row.response_ids) - 1) + [reward] for row, reward in zip(rows, rewards, strict=True)
-    ]
-    sequences, attention_mask, response_mask, rewards_BT, loss_mask, logprobs_BT, _, _ = (
-        convert_prompts_responses_to_batch_tensors(
-            config.pad_token_id,
-            [row.prompt_ids for row in rows],
-            [row.response_ids for row in rows],
-            token_rewards,
-            [row.loss_mask for row in rows],
-            [row.logprobs for row in rows],
-        )
+    fields = build_rows(
+        config.pad_token_id, [row.spec() for row in rows], logprobs=True, advantages=needs_advantages
     )
-    fields = {
-        "sequences": sequences,
-        "attention_mask": attention_mask,
-        "response_mask": response_mask,
-        "loss_mask": loss_mask,
-        "rewards": rewards_BT,
-        "rollout_logprobs": logprobs_BT,
-        "action_log_probs": logprobs_BT.clone(),
-    }
-    if needs_advantages:
-        fields["advantages"] = right_aligned([row.advantages for row in rows], response_mask.shape[1])
+    fields["action_log_probs"] = fields["rollout_logprobs"].clone()
     batch = TrainingInputBatch(fields)
     batch.metadata = {
         "uids": [row.group_id for row in rows],
         "row_ids": [row.row_id for row in rows],
-        "response_length": response_mask.shape[1],
+        "response_length": fields["response_mask"].shape[1],
     }
     batch = pad_to_multiple(batch, config.dp_size)
     stats = BatchStats(
         num_pad_rows=batch.metadata["pad_size"],
-        dropped_malformed=len(drop_reasons),
-        drop_reasons=tuple(drop_reasons),
+        dropped_malformed=len(dropped),
+        drop_reasons=tuple(str(err) for err in dropped),
+        drop_fields=tuple(err.field_name for err in dropped),
         steps_per_traj=tuple(steps_per_traj),
         rows_per_traj=tuple(rows_per_traj),
-        response_lengths=tuple(len(row.response_ids) for row in rows),
-        action_token_ratios=tuple(sum(row.loss_mask) / len(row.loss_mask) for row in rows),
+        response_lengths=tuple(row.response_length for row in rows),
+        action_token_ratios=tuple(row.model_tokens / row.response_length for row in rows),
     )
     return batch, stats
+
+
+def _sft_pair(label: str, example: Any, max_seq_len: int | None, vocab_size: int | None) -> RowSpec:
+    if not isinstance(example, list | tuple) or len(example) != 2:
+        raise MalformedTrajectoryError(
+            label, None, "example", f"is {example!r:.40}", "pass (prompt_ids, response_ids) pairs"
+        )
+    prompt_ids = int_ids(label, None, "prompt_ids", example[0], vocab_size)
+    response_ids = int_ids(label, None, "response_ids", example[1], vocab_size)
+    if not len(prompt_ids) or not len(response_ids):
+        empty = "prompt_ids" if not len(prompt_ids) else "response_ids"
+        raise MalformedTrajectoryError(label, None, empty, f"empty {empty}", "every example needs both parts")
+    total = len(prompt_ids) + len(response_ids)
+    if max_seq_len is not None and total > max_seq_len:
+        raise MalformedTrajectoryError(
+            label,
+            None,
+            "sequence",
+            f"{total} tokens, more than max_seq_len={max_seq_len}",
+            "truncate the example or raise max_seq_len",
+        )
+    return RowSpec(prompt_ids, [Piece(response_ids, trained=True)])
 
 
 def sft_examples_to_batch(
@@ -327,54 +384,33 @@ def sft_examples_to_batch(
 ) -> TrainingInputBatch:
     """``(prompt_ids, response_ids)`` pairs -> a ``cross_entropy`` batch (loss on response tokens only).
 
-    SkyRL's ``cross_entropy`` loss is a masked sum. ``loss_reduction="token_mean"`` scales
-    ``loss_mask`` by 1 / (response tokens in the batch), as SkyRL's SFT ``DefaultCollator`` does, so
-    the summed loss is a per-token mean across micro-batches and DP ranks; ``"sum"`` keeps 0/1.
+    Ids follow the same rules as a step's (``trajectory_checks``). SkyRL's ``cross_entropy`` loss is a
+    masked sum. ``loss_reduction="token_mean"`` scales ``loss_mask`` by 1 / (response tokens in the
+    batch), as SkyRL's SFT ``DefaultCollator`` does, so the summed loss is a per-token mean across
+    micro-batches and DP ranks; ``"sum"`` keeps 0/1.
     """
     if loss_reduction not in ("token_mean", "sum"):
         raise ValueError(f"loss_reduction must be 'token_mean' or 'sum', got {loss_reduction!r}")
     if not examples:
         raise EmptyBatchError("no SFT examples")
-    prompts, responses = [], []
-    for i, (prompt, response) in enumerate(examples):
-        prompt_ids, response_ids = token_ids(prompt), token_ids(response)
-        label = f"SFT example {i}"
-        if not prompt_ids or not response_ids:
-            empty = "prompt_ids" if not prompt_ids else "response_ids"
-            raise MalformedTrajectoryError(
-                label, None, empty, f"empty {empty}", "every example needs both parts"
-            )
-        if max_seq_len is not None and len(prompt_ids) + len(response_ids) > max_seq_len:
-            raise MalformedTrajectoryError(
-                label,
-                None,
-                "response_ids",
-                f"{len(prompt_ids) + len(response_ids)} tokens, more than max_seq_len={max_seq_len}",
-                "truncate the example or raise max_seq_len",
-            )
-        check_tokens(label, None, "prompt_ids", prompt_ids, vocab_size)
-        check_tokens(label, None, "response_ids", response_ids, vocab_size)
-        prompts.append(prompt_ids)
-        responses.append(response_ids)
-    loss_masks = [[1] * len(r) for r in responses]
-    sequences, attention_mask, response_mask, _, loss_mask, _, _, _ = (
-        convert_prompts_responses_to_batch_tensors(
-            pad_token_id, prompts, responses, [[0.0] * len(r) for r in responses], loss_masks
-        )
-    )
+    rows = [
+        _sft_pair(f"SFT example {i}", example, max_seq_len, vocab_size) for i, example in enumerate(examples)
+    ]
+    fields = build_rows(pad_token_id, rows, logprobs=False, advantages=False)
+    loss_mask = fields["loss_mask"]
     if loss_reduction == "token_mean":
         loss_mask = loss_mask / loss_mask.sum().clamp(min=1.0)
     batch = TrainingInputBatch(
         {
-            "sequences": sequences,
-            "attention_mask": attention_mask,
-            "response_mask": response_mask,
+            "sequences": fields["sequences"],
+            "attention_mask": fields["attention_mask"],
+            "response_mask": fields["response_mask"],
             "loss_mask": loss_mask,
         }
     )
     batch.metadata = {
-        "uids": [f"sft:{i}" for i in range(len(prompts))],
-        "row_ids": [f"SFT example {i}" for i in range(len(prompts))],
-        "response_length": response_mask.shape[1],
+        "uids": [f"sft:{i}" for i in range(len(rows))],
+        "row_ids": [f"SFT example {i}" for i in range(len(rows))],
+        "response_length": fields["response_mask"].shape[1],
     }
     return pad_to_multiple(batch, dp_size)

@@ -16,10 +16,13 @@ import logging
 import re
 import zlib
 from array import array
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from rllm_skyrl.types import ModelOutput, TerminationEvent
+from rllm_skyrl.compat import rllm
+from rllm_skyrl.request_batching import SampleBatcher
+from rllm_skyrl.rollout_ledger import RolloutLedger
+from rllm_skyrl.types import ModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,22 +50,11 @@ _SAMPLING_KEYS = frozenset(
     }
 )
 # Keyword arguments rLLM workflows pass that are not sampling params; consumed or ignored here.
-_WORKFLOW_KEYS = frozenset({"application_id", "session_id", "accumulate_reasoning", "reasoning_effort"})
+_WORKFLOW_KEYS = frozenset({"application_id", "session_id", "reasoning_effort"})
 DEFAULT_SAMPLING_PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0}
 
 _THINK_END = "</think>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclass
-class ToolCall:
-    """A function call the model emitted (Hermes/Qwen ``<tool_call>{json}</tool_call>`` format)."""
-
-    name: str
-    arguments: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -72,17 +64,6 @@ class TokenOutput:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
-
-
-def termination_event(reason: str) -> Exception:
-    """rLLM's ``TerminationEvent(TerminationReason(reason))`` if rLLM is installed, else ours."""
-    for module in ("rllm.types", "rllm.workflows.workflow"):
-        try:
-            mod = __import__(module, fromlist=["TerminationEvent", "TerminationReason"])
-            return mod.TerminationEvent(mod.TerminationReason(reason))
-        except (ImportError, AttributeError):
-            continue
-    return TerminationEvent(reason)
 
 
 def termination_reason(output: ModelOutput) -> str | None:
@@ -121,6 +102,8 @@ class SkyRLEngine:
         chat_template_kwargs: dict[str, Any] | None = None,
         sleep_level: int = 1,
         request_seed: int | None = None,
+        disable_thinking: bool = False,
+        render_with_parser: bool = False,
     ):
         self.client = client
         self.data_clients = data_clients or [client]
@@ -130,11 +113,19 @@ class SkyRLEngine:
         self.train_sampling_params = {**DEFAULT_SAMPLING_PARAMS, **(train_sampling_params or {})}
         self.val_sampling_params = {**self.train_sampling_params, **(val_sampling_params or {})}
         self.model = model
-        self.chat_template_kwargs = chat_template_kwargs or {}
+        # A template that can switch thinking off (Qwen3's) reads enable_thinking; others ignore it.
+        self.chat_template_kwargs = {
+            **({"enable_thinking": False} if disable_thinking else {}),
+            **(chat_template_kwargs or {}),
+        }
+        self.disable_thinking = disable_thinking
+        self.render_with_parser = render_with_parser
         self.sleep_level = sleep_level
         self.is_validation = False
         self.weight_version = 0
-        self.chat_parser = None  # rLLM callers read this; the engine templates with the tokenizer itself
+        self.ledger = RolloutLedger()
+        self.batcher = SampleBatcher(model)
+        self._chat_parser: Any = None
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
         self.request_seed = request_seed
@@ -166,11 +157,15 @@ class SkyRLEngine:
     def for_servers(cls, servers: Any, tokenizer: Any, run: Any) -> SkyRLEngine:
         """The engine a run samples from: SkyRL's own client when SkyRL started the servers, else
         clients over their URLs; lengths and sampling params from the ``RunConfig``."""
+        effort = run.rollout.reasoning_effort
         engine_args = dict(
             max_prompt_length=run.max_prompt_length,
             max_response_length=run.max_response_length,
             train_sampling_params=dict(run.train_sampling),
             val_sampling_params=dict(run.val_sampling),
+            chat_template_kwargs={"reasoning_effort": effort} if effort else None,
+            disable_thinking=run.rollout.disable_thinking,
+            render_with_parser=run.rollout.render_with_parser,
         )
         if getattr(servers, "client", None) is not None:
             return cls(servers.client, tokenizer, **engine_args)
@@ -179,6 +174,17 @@ class SkyRLEngine:
     @property
     def supports_token_in_token_out(self) -> bool:
         return True
+
+    @property
+    def chat_parser(self) -> Any:
+        """rLLM's parser for this model's chat template (built on first use; None without rLLM).
+
+        rLLM's workflows render prompts with it (``CumulativeWorkflow`` counts prompt tokens that
+        way), as they do with rLLM's verl engine.
+        """
+        if self._chat_parser is None:
+            self._chat_parser = rllm.chat_parser(self.tokenizer, disable_thinking=self.disable_thinking)
+        return self._chat_parser
 
     # ------------------------------------------------------------------ rollouts
     async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
@@ -190,20 +196,39 @@ class SkyRLEngine:
         """
         weight_version = self.weight_version
         tools = kwargs.pop("tools", None)
-        prompt_ids = self.render(messages, tools=tools)
+        accumulate_reasoning = bool(kwargs.pop("accumulate_reasoning", False))
+        prompt_ids = self.render(messages, tools=tools, accumulate_reasoning=accumulate_reasoning)
+        rollout_id = kwargs.get("application_id")
         token_output = await self.get_token_output_from_token_input(prompt_ids, **kwargs)
         output = self.assemble_model_output(prompt_ids, token_output)
         output.weight_version = weight_version
+        self.ledger.record(rollout_id, output)
         return output
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            tokenize=False,
-            add_generation_prompt=True,
-            **self.chat_template_kwargs,
-        )
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        accumulate_reasoning: bool = False,
+    ) -> list[int]:
+        """Prompt ids: the tokenizer's own chat template, or rLLM's parser when asked to render with it
+        (``rollout_engine.bypass_render_with_parser``, as rLLM's tinker engine does)."""
+        if self.render_with_parser:
+            text = self.chat_parser.parse(
+                messages,
+                add_generation_prompt=True,
+                is_first_msg=True,
+                tools=tools or None,
+                accumulate_reasoning=accumulate_reasoning,
+            )
+        else:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                tokenize=False,
+                add_generation_prompt=True,
+                **self.chat_template_kwargs,
+            )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def get_token_output_from_token_input(self, token_input: list[int], **kwargs: Any) -> TokenOutput:
@@ -220,7 +245,7 @@ class SkyRLEngine:
         session_id = session_id or application_id
         prompt = list(token_input)
         if enforce and len(prompt) > self.max_prompt_length:
-            raise termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
+            raise rllm.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
         params = self._sampling_params(kwargs, validate)
         if self.request_seed is not None and params.get("seed") is None:
             params["seed"] = self._derive_seed(prompt, validate)
@@ -235,18 +260,26 @@ class SkyRLEngine:
             if params.get("min_tokens"):
                 still_needed = params["min_tokens"] - len(tokens)
                 step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
-            out = await client.generate(
-                {
-                    "prompt_token_ids": [prompt + tokens],
-                    "sampling_params": step_params,
-                    "session_ids": [session_id] if session_id is not None else None,
-                },
-                model=self.model,
-            )
-            tokens.extend(out["response_ids"][0])
+            batched = None if tokens else await self.batcher.sample(client, prompt, step_params)
+            if batched is not None:  # sampled together with the same prompt's other rollouts
+                new_tokens, new_logprobs, reason = batched
+            else:
+                out = await client.generate(
+                    {
+                        "prompt_token_ids": [prompt + tokens],
+                        "sampling_params": step_params,
+                        "session_ids": [session_id] if session_id is not None else None,
+                    },
+                    model=self.model,
+                )
+                new_tokens, new_logprobs, reason = (
+                    out["response_ids"][0],
+                    out["response_logprobs"][0] if out["response_logprobs"] else None,
+                    out["stop_reasons"][0],
+                )
+            tokens.extend(new_tokens)
             if logprobs is not None:
-                logprobs.extend(out["response_logprobs"][0] or [])
-            reason = out["stop_reasons"][0]
+                logprobs.extend(new_logprobs or [])
             if reason != "abort" or len(tokens) >= budget:
                 break
         if reason == "abort":  # the loop only stops on an abort once the budget is spent
@@ -256,7 +289,7 @@ class SkyRLEngine:
     def assemble_model_output(self, token_input: list[int], token_output: TokenOutput) -> ModelOutput:
         text = self.tokenizer.decode(token_output.token_ids, skip_special_tokens=True)
         reasoning, content = _split_reasoning(text)
-        return ModelOutput(
+        return rllm.model_output_class()(
             text=text,
             content=content,
             reasoning=reasoning,
@@ -329,7 +362,7 @@ def _split_reasoning(text: str) -> tuple[str, str]:
     return reasoning.replace("<think>", "", 1).strip(), content.strip()
 
 
-def _parse_tool_calls(content: str) -> list[ToolCall]:
+def _parse_tool_calls(content: str) -> list[Any]:
     calls = []
     for raw in _TOOL_CALL.findall(content):
         try:
@@ -337,7 +370,7 @@ def _parse_tool_calls(content: str) -> list[ToolCall]:
             arguments = payload.get("arguments", {})
             if isinstance(arguments, str):
                 arguments = json.loads(arguments)
-            calls.append(ToolCall(name=str(payload["name"]), arguments=dict(arguments)))
+            calls.append(rllm.tool_call(str(payload["name"]), dict(arguments)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             logger.debug("skipping a malformed tool call: %r", raw)
     return calls

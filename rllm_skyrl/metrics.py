@@ -1,13 +1,22 @@
-"""Metric names shared with rLLM's other backends, and the few the SkyRL backend adds.
+"""Metric names and definitions shared with rLLM's tinker backend, and the few the SkyRL backend adds.
 
 rLLM's backends log ``train/{kl_sample_train_v1,kl_sample_train_v2,entropy,perplexity}``,
-``progress/*``, ``time/*``, ``batch/*``, ``reward/*`` and ``val/*``. SkyRL's workers name the same
-things differently (``policy_entropy``, ``policy_lr``, ...); ``worker_metrics`` renames them so a
-dashboard built for one backend reads the other.
+``progress/*``, ``time/*``, ``batch/*``, ``reward/*`` and ``val/*``; the definitions here are
+tinker's (``rllm/trainer/tinker/tinker_metrics_utils.py``), so a dashboard compares backends.
+SkyRL's workers name things differently (``policy_entropy``, ``policy_lr``, ...); ``worker_metrics``
+renames them. SkyRL's true entropy over the vocabulary is ``train/policy_entropy``: rLLM's
+``train/entropy`` is the sampled tokens' negative log-likelihood.
+
+``StepMetrics`` gathers one optimizer step's metrics over however many calls make it up: rLLM's
+fully-async mode transforms and forward-backwards a step's groups in chunks before one update.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -17,7 +26,7 @@ KL_KEYS = ("train/kl", "train/kl_sample_train_v1", "train/kl_sample_train_v2", "
 _POLICY_NAMES = {
     "final_loss": "train/loss",
     "policy_loss": "train/policy_loss",
-    "policy_entropy": "train/entropy",
+    "policy_entropy": "train/policy_entropy",
     "policy_kl": "train/kl",
     "policy_lr": "progress/lr",
     "lr": "progress/lr",
@@ -50,9 +59,10 @@ def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> di
     """How far the trainer's logprobs are from the sampler's on the same tokens, before the update.
 
     A growing gap means rollout and training disagree (precision, attention implementation,
-    stale weights); rLLM reports it as ``train/kl_sample_train_v{1,2}``.
+    stale weights). Definitions are tinker's: ``v1 = mean |Δ|``, ``v2 = mean Δ² / 2``,
+    ``entropy = -mean(sampled logprob)``, ``perplexity = exp(entropy)``, over model tokens.
     """
-    gaps, train_logprobs = [], []
+    gaps, sample_logprobs = [], []
     for i, output in enumerate(loss_fn_outputs):
         trainer_T = torch.as_tensor(output.get("logprobs", []), dtype=torch.float32)
         n = trainer_T.numel()
@@ -61,14 +71,88 @@ def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> di
         mask_T = batch["loss_mask"][i, -n:] > 0
         rollout_T = batch["rollout_logprobs"][i, -n:].float()
         gaps.append((rollout_T - trainer_T)[mask_T])
-        train_logprobs.append(trainer_T[mask_T])
+        sample_logprobs.append(rollout_T[mask_T])
     if not gaps or not torch.cat(gaps).numel():
         return {}
-    gap_N, train_N = torch.cat(gaps), torch.cat(train_logprobs)
+    gap_N, sampled_N = torch.cat(gaps), torch.cat(sample_logprobs)
+    entropy = -sampled_N.mean().item()
     return {
-        "train/kl_sample_train_v1": gap_N.mean().item(),
+        "train/kl_sample_train_v1": gap_N.abs().mean().item(),
         "train/kl_sample_train_v2": 0.5 * gap_N.pow(2).mean().item(),
+        "train/entropy": entropy,
+        "train/perplexity": float(torch.exp(torch.tensor(entropy))),
         "train/logprob_abs_diff/mean": gap_N.abs().mean().item(),
         "train/logprob_abs_diff/max": gap_N.abs().max().item(),
-        "train/perplexity": torch.exp(-train_N.mean()).item(),
     }
+
+
+# Counts add up over the calls of one step; everything else is a per-call figure.
+_SUMMED = frozenset(
+    {
+        "batch/num_rows",
+        "batch/num_pad_rows",
+        "batch/dropped_malformed_sequences",
+        "batch/filtered_zero_variance_groups",
+        "batch/skipped_update",
+        "batch/steps_restored_from_rollouts",
+        "batch/steps_without_tokens",
+        "perf/rollout_tokens",
+    }
+)
+
+
+class StepMetrics:
+    """Metrics of one optimizer step: ``time/*`` and counts are summed over calls, ``*/max`` and
+    ``*/min`` keep the extreme, everything else is averaged."""
+
+    def __init__(self) -> None:
+        self._samples: dict[str, list[float]] = defaultdict(list)
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._samples[f"time/{name}"].append(time.perf_counter() - start)
+
+    def add(self, metrics: Mapping[str, Any]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self._samples[key].append(float(value))
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return self.publish().get(key, default)
+
+    def publish(self) -> dict[str, float]:
+        out = {}
+        for key, values in self._samples.items():
+            if key.startswith("time/") or key in _SUMMED:
+                out[key] = sum(values)
+            elif key.endswith("/max"):
+                out[key] = max(values)
+            elif key.endswith("/min"):
+                out[key] = min(values)
+            else:
+                out[key] = sum(values) / len(values)
+        return out
+
+    def publish_step(self, trainer_state: Any) -> dict[str, float]:
+        """The step's metrics as rLLM's tinker backend reports them: everything gathered, plus
+        ``time/<name>`` for each of the trainer's timers, ``progress/*`` and rollout tokens/s."""
+        metrics = self.publish()
+        for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
+            metrics.setdefault(f"time/{name}", seconds)
+        if "time/generate" in metrics and "perf/rollout_tokens" in metrics:
+            metrics["perf/rollout_tokens_per_s"] = metrics["perf/rollout_tokens"] / max(
+                metrics["time/generate"], 1e-9
+            )
+        step = trainer_state.global_step
+        metrics |= {"progress/batch": step, "progress/epoch": getattr(trainer_state, "epoch", 0)}
+        total = getattr(trainer_state, "total_steps", 0) or 0
+        if total > 0:
+            metrics["progress/done_frac"] = step / total
+        return metrics
+
+    def clear(self) -> None:
+        self._samples.clear()

@@ -77,3 +77,27 @@ class MetricsFile:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         return record
+
+
+def mirror_logger(tracking: Any, run_dir: str | Path, resumed_step: Any) -> MetricsFile:
+    """Make every record rLLM's ``Tracking`` logs also land in ``<run_dir>/metrics.jsonl``.
+
+    rLLM's trainer owns its logger and has no hook for another sink, so its ``log`` is wrapped.
+    ``resumed_step()`` (called at the first record) says where a resumed run picked up: later
+    records of an earlier run in the same directory are dropped, so the file has one history.
+    """
+    file = MetricsFile(run_dir)
+    original = tracking.log
+    first = True
+
+    def log(data: Mapping[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        nonlocal first
+        if first:
+            resumed = resumed_step()
+            file.keep_through(resumed if resumed else -1)
+            first = False
+        file.append(step, data)
+        return original(data, step, *args, **kwargs)
+
+    tracking.log = log
+    return file

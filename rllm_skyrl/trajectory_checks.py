@@ -3,15 +3,55 @@
 Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step and
 the field, and saying what to fix; ``data_adapter`` raises it, or drops the trajectory and counts
 it when ``drop_malformed`` is on. Inputs are read by attribute, so rLLM's pydantic types and
-``rllm_skyrl.types`` both work.
+``rllm_skyrl.types`` both work. Nothing is coerced: a value either reaches the tensors as itself
+(ids as int64, reals rounded to float32 as SkyRL's own builder does) or the trajectory is rejected.
+
+What is accepted (only fields the conversion reads are checked):
+
+* integers: what ``operator.index`` accepts (``int``, numpy integer scalars, 0-d integer arrays),
+  never ``bool`` / ``numpy.bool_``; no floats (not even ``3.0``), no strings.
+* real numbers: what ``float()`` accepts without parsing text (``float``, ``int``, numpy and torch
+  scalars, ``Decimal``, ``Fraction``), never ``bool`` / ``numpy.bool_``, never ``str`` or
+  ``bytes``; finite and within float32's range (the tensors are float32).
+* id and value lists: a ``list`` or ``tuple`` of such numbers, or a 1-D numpy array of an integer
+  (ids) or integer/float (values) dtype. Anything else (``None``, strings, sets, tensors, nested
+  lists) is rejected.
+* token ids: ``0 <= id < vocab_size`` (``0 <= id < 2**63`` when the vocabulary size is unknown).
+* ``step.logprobs``: one per response token, finite and ``<= LOGPROB_TOLERANCE``.
+* ``step.metadata``: absent, ``None`` or a mapping; its ``lineage_id`` absent, ``None``, a ``str`` or
+  an integer.
+* ``trajectory.reward``: ``None`` (then the last step's ``reward``) or a finite real.
+* ``trajectory.steps``: a non-empty list or tuple; ``group.trajectories``: a list or tuple;
+  ``group.group_id``: a non-empty ``str`` (it becomes SkyRL's uid); ``trajectory.name``: a
+  configured role when roles are configured. ``group.metadata`` and ``trajectory.uid`` only name
+  things in messages and are used when usable.
+
+Element checks are vectorised: a list is packed in one ``struct.pack`` call (C code that rejects
+what is not an integer / real number, a few ns per element) and checked with numpy; only elements
+whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Collection
-from typing import Any, Protocol
+import operator
+import struct
+from collections.abc import Collection, Mapping
+from numbers import Integral
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+# A sampled token's logprob is log p <= 0. Inference engines compute it as logit - logsumexp in
+# float32, where rounding can leave a value a few ulps above 0; 1e-4 covers float32 rounding at
+# any realistic logit scale (ulp(1000) = 6e-5) and is far too small to move an importance ratio
+# (exp(1e-4) - 1 = 0.01%). Accepted values are passed through unchanged, not clipped.
+LOGPROB_TOLERANCE = 1e-4
+
+_INT64_LIMIT = 2**63
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_TEXT = (str, bytes, bytearray)
 
 
 class RowRules(Protocol):
@@ -27,155 +67,387 @@ class MalformedTrajectoryError(ValueError):
 
     def __init__(self, label: str, step_index: int | None, field_name: str, problem: str, remedy: str):
         where = label if step_index is None else f"{label} step {step_index}"
-        super().__init__(f"{where}: {problem}; {remedy}")
+        super().__init__(f"{where}, {field_name}: {problem}; {remedy}")
         self.label = label
         self.step_index = step_index
         self.field_name = field_name
 
 
+# ---------------------------------------------------------------------------------------- labels
+
+
 def group_role(group: Any) -> str:
-    """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role`` defines it."""
+    """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role`` defines it.
+
+    Never raises: a group without a usable id counts as ``"all_groups"`` here and is rejected by
+    ``check_group_id`` when it is converted.
+    """
     role = getattr(group, "group_role", None)
-    if role:
+    if isinstance(role, str) and role:
         return role
-    return group.group_id.rpartition(":")[2] or "all_groups"
-
-
-def trajectory_reward(trajectory: Any) -> float | None:
-    """The outcome reward; rLLM falls back to the last step's reward when the trajectory has none."""
-    if trajectory.reward is not None:
-        return float(trajectory.reward)
-    steps = trajectory.steps or []
-    return float(steps[-1].reward) if steps and steps[-1].reward is not None else None
+    group_id = getattr(group, "group_id", None)
+    return (group_id.rpartition(":")[2] if isinstance(group_id, str) else "") or "all_groups"
 
 
 def trajectory_label(group: Any, traj_index: int) -> str:
-    """A name a person can find in their logs: the episode id when the group carries it."""
-    trajectory = group.trajectories[traj_index]
-    metadata = list(getattr(group, "metadata", None) or [])
-    meta = (
-        metadata[traj_index] if traj_index < len(metadata) and isinstance(metadata[traj_index], dict) else {}
-    )
+    """A name a person can find in their logs: the episode id when the group carries it. Never raises."""
+    trajectories = getattr(group, "trajectories", None)
+    trajectory = trajectories[traj_index] if isinstance(trajectories, list | tuple) else None
+    metadata = getattr(group, "metadata", None)
+    meta = metadata[traj_index] if isinstance(metadata, list | tuple) and traj_index < len(metadata) else None
+    meta = meta if isinstance(meta, Mapping) else {}
+    uid = getattr(trajectory, "uid", None)
     if meta.get("task_id") is not None and meta.get("rollout_idx") is not None:
         ident = f"episode '{meta['task_id']}:{meta['rollout_idx']}'"
-    elif getattr(trajectory, "uid", None):
-        ident = f"trajectory '{trajectory.uid}'"
+    elif isinstance(uid, str) and uid:
+        ident = f"trajectory '{uid}'"
     else:
-        ident = f"trajectory #{traj_index} of group '{group.group_id}'"
-    return f"{ident} (role '{getattr(trajectory, 'name', None)}')"
+        ident = f"trajectory #{traj_index} of group {_show(getattr(group, 'group_id', None))}"
+    return f"{ident} (role {_show(getattr(trajectory, 'name', None))})"
 
 
-def token_ids(ids: Any) -> list[int]:
-    return [int(t) for t in (ids if ids is not None else [])]
+def group_label(group: Any, group_index: int) -> str:
+    return f"group #{group_index} {_show(getattr(group, 'group_id', None))}"
 
 
-def check_tokens(label: str, index: int | None, name: str, ids: list[int], vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+def _show(value: Any) -> str:
+    """A short, unambiguous rendering of a bad value for a message: repr, and the type when unclear."""
+    try:
+        text = repr(value)
+    except Exception:  # a message must not fail on the value it describes
+        text = "<unprintable>"
+    text = text if len(text) <= 40 else text[:37] + "..."
+    if isinstance(value, str | int | float | type(None)) and not isinstance(value, bool):
+        return text
+    return f"{text} ({type(value).__name__})"
+
+
+# ---------------------------------------------------------------------------------- number reads
+
+
+def _is_bool(value: Any) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return (isinstance(value, np.ndarray) and dtype == np.bool_) or (
+        isinstance(value, torch.Tensor) and dtype == torch.bool
+    )
+
+
+def _first_bool(values: Any, positions: np.ndarray) -> int | None:
+    """The first of ``positions`` (elements whose value is 0 or 1) that holds a bool, if any."""
+    if not positions.size:
+        return None
+    index = positions.tolist()
+    items = operator.itemgetter(*index)(values) if len(index) > 1 else (values[index[0]],)
+    if set(map(type, items)) <= {int, float}:
+        return None
+    return next((i for i, item in zip(index, items, strict=True) if _is_bool(item)), None)
+
+
+def _packed(values: list | tuple, code: str) -> np.ndarray | None:
+    """``values`` as a native int64 (``code="q"``) or float64 (``"d"``) array; ``None`` if one is not
+    an integer (``operator.index``) / real number (``float()`` of a non-text value)."""
+    try:
+        packed = struct.pack(f"{len(values)}{code}", *values)
+    except Exception:  # struct.error, or whatever a value's own __index__ / __float__ raised
+        return None
+    return np.frombuffer(packed, dtype=np.int64 if code == "q" else np.float64)
+
+
+def _first_rejected(values: Any, code: str) -> tuple[int, Any]:
+    """Where ``_packed(values, code)`` failed: the first element it rejects on its own."""
+    return next((i, item) for i, item in enumerate(values) if _packed([item], code) is None)
+
+
+def _container_problem(value: Any, what: str) -> str:
+    if isinstance(value, np.ndarray):
+        return f"is a numpy array of dtype {value.dtype} and shape {value.shape}, not a 1-D {what} array"
+    return f"is {_show(value)}, not a list of {what}s"
+
+
+def int_ids(label: str, index: int | None, name: str, value: Any, vocab_size: int | None) -> np.ndarray:
+    """A list/tuple of integers or a 1-D integer numpy array -> int64 ids, each in ``[0, vocab)``."""
+
+    def bad(problem: str, remedy: str) -> MalformedTrajectoryError:
+        return MalformedTrajectoryError(label, index, name, problem, remedy)
+
+    from_list = isinstance(value, list | tuple)
+    if from_list:
+        ids = _packed(value, "q")
+        if ids is None:
+            position, item = _first_rejected(value, "q")
+            raise bad(
+                f"element {position} is {_show(item)}", "token ids must be integers (int or numpy integer)"
+            )
+    elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        ids = value
+    else:
+        raise bad(_container_problem(value, "integer"), "pass the token ids as a list of ints")
+    if not ids.size:
+        return ids.astype(np.int64)
+    low, high = int(np.minimum.reduce(ids)), int(np.maximum.reduce(ids))
+    if from_list and low <= 1:  # a bool reads as 0 or 1
+        position = _first_bool(value, np.flatnonzero(ids.view(np.uint64) <= 1))
+        if position is not None:
+            raise bad(
+                f"element {position} is {value[position]!r} (a bool)", "token ids must be integers, not bool"
+            )
+    limit = _INT64_LIMIT if vocab_size is None else vocab_size
+    if low < 0 or high >= limit:
+        position = next(i for i, t in enumerate(ids.tolist()) if not 0 <= t < limit)
+        span = "[0, 2**63)" if vocab_size is None else f"the vocabulary [0, {vocab_size})"
+        raise bad(
+            f"token id {int(ids[position])} at position {position} is outside {span}",
+            "the sampler returned an id the trainer's model cannot embed; check both use the same model",
+        )
+    return ids if from_list else ids.astype(np.int64, copy=False)
+
+
+def real_values(
+    label: str, index: int | None, name: str, value: Any, length: int, remedy: str, at_most: float = math.inf
+) -> np.ndarray:
+    """A list/tuple of real numbers or a 1-D numeric numpy array -> float64: ``length`` finite values,
+    none above ``at_most``."""
+
+    def bad(problem: str, fix: str = remedy) -> MalformedTrajectoryError:
+        return MalformedTrajectoryError(label, index, name, problem, fix)
+
+    from_list = isinstance(value, list | tuple)
+    if from_list:
+        values = _packed(value, "d")
+        if values is None:
+            position, item = _first_rejected(value, "d")
+            raise bad(f"element {position} is {_show(item)}", "values must be real numbers (float or int)")
+    elif isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iuf":
+        values = value.astype(np.float64, copy=False)
+    else:
+        raise bad(_container_problem(value, "number"), f"pass one number per response token; {remedy}")
+    if len(values) != length:
+        raise bad(f"{len(values)} values for {length} response tokens")
+    if not length:
+        return values
+    low, high = float(np.minimum.reduce(values)), float(np.maximum.reduce(values))  # NaN -> NaN
+    if from_list and low <= 1.0 and high >= 0.0:  # a bool reads as 0.0 or 1.0
+        position = _first_bool(value, np.flatnonzero((values == 0.0) | (values == 1.0)))
+        if position is not None:
+            raise bad(
+                f"element {position} is {value[position]!r} (a bool)", "values must be real numbers, not bool"
+            )
+    if not (math.isfinite(low) and math.isfinite(high)):
+        position = int(np.flatnonzero(~np.isfinite(values))[0])
+        raise bad(f"element {position} is {values[position]}")
+    if low < -_FLOAT32_MAX or high > _FLOAT32_MAX:
+        position = int(np.flatnonzero(np.abs(values) > _FLOAT32_MAX)[0])
+        raise bad(f"element {position} is {values[position]}, outside float32's range")
+    if high > at_most:
+        position = int(np.flatnonzero(values > at_most)[0])
+        raise bad(f"element {position} is {values[position]}, above {at_most}")
+    return values
+
+
+def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: str) -> float:
+    """One finite real number (see the module docstring), as a Python float."""
+    if type(value) is float and abs(value) <= _FLOAT32_MAX:  # the common case, without packing (NaN fails)
+        return value
+    if _is_bool(value) or isinstance(value, _TEXT):
+        raise MalformedTrajectoryError(label, index, name, f"is {_show(value)}, not a number", remedy)
+    packed = _packed([value], "d")
+    if packed is None:
+        raise MalformedTrajectoryError(label, index, name, f"is {_show(value)}, not a number", remedy)
+    number = float(packed[0])
+    if not math.isfinite(number):
+        raise MalformedTrajectoryError(label, index, name, f"is {number}", remedy)
+    if abs(number) > _FLOAT32_MAX:
+        raise MalformedTrajectoryError(label, index, name, f"is {number}, outside float32's range", remedy)
+    return number
+
+
+# ------------------------------------------------------------------------------- trajectory reads
+
+
+def _outcome_reward_source(trajectory: Any) -> Any:
+    """The raw outcome reward: ``trajectory.reward``, else the last step's (rLLM's fallback)."""
+    reward = getattr(trajectory, "reward", None)
+    if reward is not None:
+        return reward
+    steps = getattr(trajectory, "steps", None)
+    return getattr(steps[-1], "reward", None) if isinstance(steps, list | tuple) and steps else None
+
+
+def trajectory_reward(trajectory: Any) -> float | None:
+    """The outcome reward for statistics and estimators; ``None`` when there is none. Never raises.
+
+    A malformed reward reads as NaN, so estimators leave it out of every baseline and the data
+    adapter then rejects (or drops and counts) the trajectory with the reason.
+    """
+    reward = _outcome_reward_source(trajectory)
+    if reward is None:
+        return None
+    try:
+        return real_scalar("", None, "reward", reward, "")
+    except MalformedTrajectoryError:
+        return math.nan
+
+
+def check_group(group: Any, label: str) -> list[Any]:
+    """A group's trajectories; the group is unusable as a whole when they are not a list."""
+    trajectories = getattr(group, "trajectories", None)
+    if not isinstance(trajectories, list | tuple):
+        raise MalformedTrajectoryError(
+            label, None, "trajectories", f"is {_show(trajectories)}", "a group holds a list of trajectories"
+        )
+    return list(trajectories)
+
+
+def check_group_id(group: Any, label: str) -> str:
+    """The group's id, which becomes SkyRL's uid for each of its rows; ``label`` names the trajectory."""
+    group_id = getattr(group, "group_id", None)
+    if not isinstance(group_id, str) or not group_id:
+        raise MalformedTrajectoryError(
+            label,
+            None,
+            "group_id",
+            f"the group's id is {_show(group_id)}, not a non-empty string",
+            "name the group '<task_id>:<role>' (it identifies the rows that share a prompt)",
+        )
+    return group_id
+
+
+def check_trajectory(trajectory: Any, label: str, config: RowRules) -> list[Any]:
+    """Trajectory-level checks (role, steps); returns the steps."""
+    if config.allowed_roles is not None:
+        role = getattr(trajectory, "name", None)
+        if not isinstance(role, str) or role not in config.allowed_roles:
+            raise MalformedTrajectoryError(
+                label,
+                None,
+                "name",
+                f"unknown role {_show(role)} (configured roles: {sorted(config.allowed_roles)})",
+                "name the trajectory after a configured role, or add its role to the config",
+            )
+    steps = getattr(trajectory, "steps", None)
+    if not isinstance(steps, list | tuple):
+        raise MalformedTrajectoryError(
+            label, None, "steps", f"is {_show(steps)}, not a list of steps", "a trajectory needs a model call"
+        )
+    if not steps:
+        raise MalformedTrajectoryError(label, None, "steps", "no steps", "a trajectory needs a model call")
+    return list(steps)
+
+
+def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
+    """The checked outcome reward (0 when advantages come with the steps and there is none).
+
+    Read after the steps are checked, so a broken last step is reported as itself rather than as
+    a missing fallback reward.
+    """
+    reward = _outcome_reward_source(trajectory)
+    if reward is None and not config.use_precomputed_advantages:
+        raise MalformedTrajectoryError(
+            label,
+            None,
+            "reward",
+            "no reward on the trajectory or its last step",
+            "set Trajectory.reward (or the last step's reward)",
+        )
+    remedy = "the reward function must return a finite number"
+    return 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
+
+
+class StepFields(NamedTuple):
+    """One step's checked arrays; ``advantages`` is a scalar when it is one value for every token."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    advantages: np.ndarray | float | None
+
+
+_MISSING = object()
+
+
+def _required(label: str, index: int, step: Any, name: str) -> Any:
+    """A field every step must carry; an absent one is named rather than an AttributeError."""
+    value = getattr(step, name, _MISSING)
+    if value is _MISSING:
         raise MalformedTrajectoryError(
             label,
             index,
             name,
-            f"token id {bad} is outside the vocabulary [0, {vocab_size})",
-            "the sampler returned an id the trainer's model cannot embed; check that both use the same model",
+            f"the step ({type(step).__name__}) has no '{name}'",
+            "build steps as rLLM's Step",
         )
+    return value
 
 
-def _step_logprobs(label: str, index: int, step: Any, n_response: int) -> list[float]:
-    logprobs = [float(x) for x in (step.logprobs if step.logprobs is not None else [])]
-    if len(logprobs) != n_response:
+def step_lineage(label: str, index: int, step: Any) -> Any:
+    """``metadata["lineage_id"]``: which sub-agent's turns a step continues (``None``: the main one)."""
+    metadata = getattr(step, "metadata", None)
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
         raise MalformedTrajectoryError(
             label,
             index,
-            "logprobs",
-            f"{len(logprobs)} logprobs for {n_response} response tokens",
-            "the rollout engine must return one logprob per sampled token",
+            "metadata",
+            f"is {_show(metadata)}, not a dict",
+            "step metadata must be a dict or None",
         )
-    if not all(math.isfinite(x) for x in logprobs):
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "logprobs",
-            "logprobs contain NaN or inf",
-            "the rollout engine returned a broken logprob",
-        )
-    return logprobs
-
-
-def _step_advantages(label: str, index: int, step: Any, n_response: int, scalar: float | None) -> list[float]:
-    """Per-token advantages of one step: the trajectory's scalar, or the step's own (precomputed)."""
-    value = scalar if scalar is not None else step.advantage
-    if value is None:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "advantage",
-            "step.advantage is None",
-            "with use_precomputed_advantages every step needs a float or one value per response token",
-        )
-    values = [float(value)] * n_response if isinstance(value, numbers.Real) else [float(v) for v in value]
-    if len(values) != n_response:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "advantage",
-            f"{len(values)} advantages for {n_response} response tokens",
-            "a per-token step.advantage must have one value per response token",
-        )
-    if not all(math.isfinite(v) for v in values):
-        raise MalformedTrajectoryError(
-            label, index, "advantage", "advantage is NaN or inf", "check the advantage estimator's inputs"
-        )
-    return values
-
-
-def check_trajectory(trajectory: Any, label: str, config: RowRules, advantage: float | None) -> None:
-    """Trajectory-level checks: role, steps, outcome reward, scalar advantage."""
-    role = getattr(trajectory, "name", None)
-    if config.allowed_roles is not None and role not in config.allowed_roles:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "name",
-            f"unknown role {role!r} (configured roles: {sorted(config.allowed_roles)})",
-            "name the trajectory after a configured role, or add its role to the config",
-        )
-    if not trajectory.steps:
-        raise MalformedTrajectoryError(label, None, "steps", "no steps", "a trajectory needs a model call")
-    reward = trajectory_reward(trajectory)
-    if reward is None and not config.use_precomputed_advantages:
-        raise MalformedTrajectoryError(
-            label, None, "reward", "reward is None", "set Trajectory.reward (or the last step's reward)"
-        )
-    if reward is not None and not math.isfinite(reward):
-        raise MalformedTrajectoryError(
-            label, None, "reward", f"reward is {reward}", "the reward function must return a finite number"
-        )
-    if advantage is not None and not math.isfinite(advantage):
-        raise MalformedTrajectoryError(
-            label, None, "advantage", f"advantage is {advantage}", "check the advantage estimator's inputs"
-        )
+    lineage = metadata.get("lineage_id")
+    if (
+        lineage is None
+        or isinstance(lineage, str)
+        or (isinstance(lineage, Integral) and not _is_bool(lineage))
+    ):
+        return lineage
+    raise MalformedTrajectoryError(
+        label,
+        index,
+        "metadata",
+        f"lineage_id is {_show(lineage)}",
+        "a lineage_id names a sub-agent: a string or an integer",
+    )
 
 
 def step_fields(
     label: str, index: int, step: Any, config: RowRules, advantage: float | None, needs_advantages: bool
-) -> tuple[list[int], list[int], list[float], list[float]]:
-    """One step's checked ``(prompt_ids, response_ids, logprobs, advantages)``."""
-    prompt_ids, response_ids = token_ids(step.prompt_ids), token_ids(step.response_ids)
-    if not response_ids:
+) -> StepFields:
+    """One step's checked ids, logprobs and (when needed) advantages: ``advantage`` is the
+    trajectory's scalar, else (``use_precomputed_advantages``) the step's own ``advantage``."""
+    prompt_ids = int_ids(
+        label, index, "prompt_ids", _required(label, index, step, "prompt_ids"), config.vocab_size
+    )
+    response_ids = int_ids(
+        label, index, "response_ids", _required(label, index, step, "response_ids"), config.vocab_size
+    )
+    if not response_ids.size:
         raise MalformedTrajectoryError(
             label, index, "response_ids", "empty response", "drop steps where the model produced no tokens"
         )
-    check_tokens(label, index, "prompt_ids", prompt_ids, config.vocab_size)
-    check_tokens(label, index, "response_ids", response_ids, config.vocab_size)
-    logprobs = _step_logprobs(label, index, step, len(response_ids))
-    if not needs_advantages:
-        return prompt_ids, response_ids, logprobs, [0.0] * len(response_ids)
-    return (
-        prompt_ids,
-        response_ids,
-        logprobs,
-        _step_advantages(label, index, step, len(response_ids), advantage),
+    n = response_ids.size
+    logprobs = real_values(
+        label,
+        index,
+        "logprobs",
+        _required(label, index, step, "logprobs"),
+        n,
+        "the rollout engine must return one log p <= 0 per sampled token (logprobs, not logits)",
+        at_most=LOGPROB_TOLERANCE,
     )
+    if not needs_advantages:
+        return StepFields(prompt_ids, response_ids, logprobs, None)
+    if advantage is not None:
+        return StepFields(prompt_ids, response_ids, logprobs, advantage)
+    return StepFields(prompt_ids, response_ids, logprobs, _step_advantages(label, index, step, n))
+
+
+def _step_advantages(label: str, index: int, step: Any, n_response: int) -> np.ndarray | float:
+    """A step's precomputed advantage: one finite real, or one per response token."""
+    value = getattr(step, "advantage", None)
+    remedy = "with use_precomputed_advantages every step needs a finite float or one per response token"
+    if value is None:
+        raise MalformedTrajectoryError(label, index, "advantage", "step.advantage is None", remedy)
+    if isinstance(value, list | tuple | np.ndarray):
+        return real_values(label, index, "advantage", value, n_response, remedy)
+    return real_scalar(label, index, "advantage", value, remedy)

@@ -29,6 +29,11 @@ class TerminationReason(StrEnum):
     ERROR = "error"
 
 
+def termination_value(reason: Any) -> str:
+    """A termination reason as its string value, whether ours, rLLM's (a plain ``Enum``) or None."""
+    return str(getattr(reason, "value", reason) or TerminationReason.UNKNOWN.value)
+
+
 class TerminationEvent(Exception):
     """Raised inside a rollout to end it early; ``reason`` is a ``TerminationReason`` value.
 
@@ -38,6 +43,17 @@ class TerminationEvent(Exception):
     def __init__(self, reason: str):
         super().__init__(f"Terminated: {reason}")
         self.reason = reason
+
+
+@dataclass
+class ToolCall:
+    """A function call the model emitted (Hermes/Qwen ``<tool_call>{json}</tool_call>`` format)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass

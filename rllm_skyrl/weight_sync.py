@@ -9,6 +9,7 @@ save HF weights and every server reloads them from that directory (``POST
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,11 @@ async def sync_weights(method: str, workers: Any, servers: Any, sync_dir: Path, 
         return
     if method != "disk":
         raise ValueError(f"unknown weight sync method {method!r}; expected 'skyrl' or 'disk'")
-    target = Path(sync_dir)
+    await asyncio.to_thread(_save_and_reload, workers, servers, Path(sync_dir), version)
+
+
+def _save_and_reload(workers: Any, servers: Any, target: Path, version: int) -> None:
+    """Blocking (Ray and HTTP): runs off the event loop so rollouts go on meanwhile."""
     shutil.rmtree(target, ignore_errors=True)
     workers.save_hf_model("policy", str(target))
     servers.load_weights(str(target.resolve()), weight_version=version)

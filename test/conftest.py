@@ -1,8 +1,10 @@
-"""Shared fixtures: a tiny model built once per session, one Ray for every test that asks for it."""
+"""Shared fixtures: a tiny model built once per session, one CPU inference server and one Ray for
+every test that asks for them."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ import pytest
 os.environ.setdefault("RLLM_SKYRL_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rLLM's DatasetRegistry reads RLLM_HOME when rllm.data is first imported: a scratch one per run.
+os.environ.setdefault("RLLM_HOME", tempfile.mkdtemp(prefix="rllm_home_"))
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +37,18 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tiny_model_dir):
+    """One in-process CPU inference server on the tiny model, shared by every test that asks for it.
+
+    Tests that pause, sleep or patch it put it back as they found it.
+    """
+    from rllm_skyrl.inference import InferenceServer
+
+    with InferenceServer(tiny_model_dir) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -248,64 +248,65 @@ MALFORMED = [
     (
         bad(logprobs=[-0.1] * 17),
         BatchConfig(pad_token_id=PAD),
-        "episode 'task-3:1' (role 'solver') step 2: 17 logprobs for 18 response tokens; "
-        "the rollout engine must return one logprob per sampled token",
+        "episode 'task-3:1' (role 'solver') step 2, logprobs: 17 values for 18 response tokens; "
+        "the rollout engine must return one log p <= 0 per sampled token",
         "logprobs",
     ),
     (
         bad(logprobs=[-0.1] * 17 + [math.nan]),
         BatchConfig(pad_token_id=PAD),
-        "step 2: logprobs contain NaN",
+        "step 2, logprobs: element 17 is nan",
         "logprobs",
     ),
     (
         bad(response_ids=[], logprobs=[]),
         BatchConfig(pad_token_id=PAD),
-        "step 2: empty response",
+        "step 2, response_ids: empty response",
         "response_ids",
     ),
-    (bad(reward=math.nan), BatchConfig(pad_token_id=PAD), "(role 'solver'): reward is nan", "reward"),
-    (bad(reward=math.inf), BatchConfig(pad_token_id=PAD), "reward is inf; the reward function", "reward"),
+    (bad(reward=math.nan), BatchConfig(pad_token_id=PAD), "(role 'solver'), reward: is nan", "reward"),
+    (bad(reward=math.inf), BatchConfig(pad_token_id=PAD), "reward: is inf; the reward function", "reward"),
     (
         Trajectory([Step([1], [2], reward=None)], reward=None, uid="u-bad"),
         BatchConfig(pad_token_id=PAD),
-        "reward is None; set Trajectory.reward",
+        "reward: no reward on the trajectory or its last step; set Trajectory.reward",
         "reward",
     ),
     (
         bad(),
         BatchConfig(pad_token_id=PAD, max_seq_len=20),
-        "step 2: the row built from steps 0-2 has 24 tokens, more than max_seq_len=20; raise max_seq_len",
+        "step 2, sequence: the row built from steps 0-2 has 24 tokens, more than max_seq_len=20; "
+        "raise max_seq_len",
         "sequence",
     ),
     (
         bad(name="judge"),
         BatchConfig(pad_token_id=PAD, allowed_roles={"solver"}),
-        "(role 'judge'): unknown role 'judge' (configured roles: ['solver']); name the trajectory",
+        "(role 'judge'), name: unknown role 'judge' (configured roles: ['solver']); name the trajectory",
         "name",
     ),
     (
         bad(response_ids=[7] * 17 + [600]),
         BatchConfig(pad_token_id=PAD, vocab_size=512),
-        "step 2: token id 600 is outside the vocabulary [0, 512)",
+        "step 2, response_ids: token id 600 at position 17 is outside the vocabulary [0, 512)",
         "response_ids",
     ),
     (
         Trajectory([], uid="u-bad"),
         BatchConfig(pad_token_id=PAD),
-        "(role 'solver'): no steps; a trajectory needs a model call",
+        "(role 'solver'), steps: no steps; a trajectory needs a model call",
         "steps",
     ),
     (
         Trajectory([Step([], [1])], uid="u-bad"),
         BatchConfig(pad_token_id=PAD),
-        "step 0: empty prompt",
+        "step 0, prompt_ids: empty prompt",
         "prompt_ids",
     ),
     (
         bad(advantage=[1.0] * 3),
         BatchConfig(pad_token_id=PAD, use_precomputed_advantages=True),
-        "step 0: step.advantage is None",  # steps 0 and 1 carry none
+        "step 0, advantage: step.advantage is None",  # steps 0 and 1 carry none
         "advantage",
     ),
 ]
@@ -334,12 +335,12 @@ def test_drop_malformed_counts_and_keeps_the_rest(trajectory, config, message, f
 def test_advantage_length_mismatch_names_the_step():
     trajectory = Trajectory([Step([1], [2, 3], advantage=[1.0])])
     config = BatchConfig(pad_token_id=PAD, use_precomputed_advantages=True)
-    with pytest.raises(MalformedTrajectoryError, match="step 0: 1 advantages for 2 response tokens"):
+    with pytest.raises(MalformedTrajectoryError, match="step 0, advantage: 1 values for 2 response tokens"):
         trajectory_groups_to_batch([group_of(trajectory)], config)
 
 
 def test_nonfinite_trajectory_advantage_is_rejected():
-    with pytest.raises(MalformedTrajectoryError, match="advantage is nan"):
+    with pytest.raises(MalformedTrajectoryError, match="advantage: is nan"):
         trajectory_groups_to_batch([group_of(Trajectory([Step([1], [2])]))], BatchConfig(PAD), [[math.nan]])
 
 
@@ -361,7 +362,8 @@ def test_misaligned_advantages_are_rejected():
 
 def test_label_falls_back_to_trajectory_uid():
     group = TrajectoryGroup([Trajectory([Step([1], [2], logprobs=[])], uid="abc")], "task:solver")
-    with pytest.raises(MalformedTrajectoryError, match="trajectory 'abc' .role 'solver'. step 0: 0 logprobs"):
+    message = "trajectory 'abc' .role 'solver'. step 0, logprobs: 0 values"
+    with pytest.raises(MalformedTrajectoryError, match=message):
         trajectory_groups_to_batch([group], BatchConfig(PAD))
 
 
@@ -385,11 +387,11 @@ def test_sft_rows_train_on_responses_only(pairs, dp_size):
 
 
 def test_sft_errors_name_the_example():
-    with pytest.raises(MalformedTrajectoryError, match="SFT example 1: empty response_ids"):
+    with pytest.raises(MalformedTrajectoryError, match="SFT example 1, response_ids: empty response_ids"):
         sft_examples_to_batch([([1], [2]), ([1], [])], pad_token_id=PAD)
-    with pytest.raises(MalformedTrajectoryError, match="SFT example 0: 3 tokens, more than max_seq_len=2"):
+    with pytest.raises(MalformedTrajectoryError, match="SFT example 0, sequence: 3 tokens, more"):
         sft_examples_to_batch([([1], [2, 3])], pad_token_id=PAD, max_seq_len=2)
-    with pytest.raises(MalformedTrajectoryError, match="SFT example 0: token id 9 is outside"):
+    with pytest.raises(MalformedTrajectoryError, match="SFT example 0, response_ids: token id 9 "):
         sft_examples_to_batch([([1], [9])], pad_token_id=PAD, vocab_size=5)
     with pytest.raises(ValueError, match="'token_mean' or 'sum'"):
         sft_examples_to_batch([([1], [2])], pad_token_id=PAD, loss_reduction="mean")

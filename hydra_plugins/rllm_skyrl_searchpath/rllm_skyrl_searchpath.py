@@ -9,9 +9,15 @@ The config package ``rllm_skyrl.config`` also holds stand-ins for rLLM's ``unifi
 those shadow rLLM's own files in an app whose primary config directory is not rLLM's, so the
 entry goes through a config source that shows only the ``rllm/backend`` group. Appended last, it
 also never overrides a same-named file the app or rLLM provides.
+
+rLLM's ``AgentTrainer(backend=...)`` dispatches with an if/elif over the backends it knows. When the
+app has imported it (rLLM's example scripts do, at their top), this plug-in teaches it ``skyrl`` as
+the app's config is composed, so ``rllm/backend=skyrl`` runs rLLM's own scripts unchanged.
 """
 
 from __future__ import annotations
+
+import sys
 
 from hydra._internal.core_plugins import importlib_resources_config_source as _pkg_source
 from hydra.core.config_search_path import ConfigSearchPath
@@ -67,3 +73,7 @@ class RLLMSkyRLSearchPathPlugin(SearchPathPlugin):
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         search_path.append(provider="rllm-skyrl", path=f"{SCHEME}://{CONFIG_PACKAGE}")
+        if "rllm.trainer.unified_trainer" in sys.modules:  # the app uses rLLM's AgentTrainer
+            from rllm_skyrl.rllm_plugin import register
+
+            register()

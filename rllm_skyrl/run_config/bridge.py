@@ -73,7 +73,7 @@ BRIDGE: tuple[Pair, ...] = (
 )
 
 
-def _cli_keys(cli_overrides: Iterable[str]) -> dict[str, str]:
+def cli_keys(cli_overrides: Iterable[str]) -> dict[str, str]:
     """``key=value`` overrides (Hydra's ``+``/``++``/``~`` prefixes stripped) -> {key: raw value}."""
     keys = {}
     for override in cli_overrides:
@@ -82,7 +82,7 @@ def _cli_keys(cli_overrides: Iterable[str]) -> dict[str, str]:
     return keys
 
 
-def _on_cli(key: str, cli: dict[str, str]) -> bool:
+def on_cli(key: str, cli: dict[str, str]) -> bool:
     """Whether ``key`` or a node above it (``skyrl.generator.sampling_params={...}``) was set on the CLI."""
     parts = key.split(".")
     return any(".".join(parts[:depth]) in cli for depth in range(1, len(parts) + 1))
@@ -96,11 +96,11 @@ def skyrl_overrides(cfg: DictConfig, cli_overrides: Iterable[str] = ()) -> dict[
     """
     skyrl_tree = select(cfg, "skyrl") or {}
     overrides = {key: value for key, value in flatten(skyrl_tree).items() if key}
-    cli = _cli_keys(cli_overrides)
+    cli = cli_keys(cli_overrides)
 
     for pair in BRIDGE:
-        skyrl_on_cli = _on_cli(f"skyrl.{pair.skyrl}", cli)
-        rllm_on_cli = _on_cli(pair.rllm, cli)
+        skyrl_on_cli = on_cli(f"skyrl.{pair.skyrl}", cli)
+        rllm_on_cli = on_cli(pair.rllm, cli)
         rllm_value = select(cfg, pair.rllm)
         if skyrl_on_cli and not rllm_on_cli:
             continue

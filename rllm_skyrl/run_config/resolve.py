@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +21,30 @@ from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import advantages, losses
 from rllm_skyrl.checkpoint import RESUME_MODES
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import bridge
+from rllm_skyrl.run_config.aliases import apply_aliases
 from rllm_skyrl.run_config.skyrl import make_skyrl_config
 from rllm_skyrl.run_config.tree import select
+from rllm_skyrl.run_config.values import check_values
 
 OUTCOME_ESTIMATORS = advantages.ESTIMATORS
 SUPPORTED_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
+# The policy loss when rllm.algorithm.loss_fn names none, as rLLM's tinker backend picks it.
+_LOSS_BY_ESTIMATOR = {"grpo": "ppo", "gae": "ppo"}
+
+
+def default_policy_loss(estimator: str) -> str:
+    """``ppo`` for GRPO (and GAE), ``importance_sampling`` for the other estimators (rLLM's rule)."""
+    return _LOSS_BY_ESTIMATOR.get(estimator, "importance_sampling")
+
+
 # Model names that need no hub: built in-process, or converted from a PyPI wheel.
 BUILTIN_MODELS = ("tiny", "smollm2")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFacingError):
     """A setting that cannot work; the message names the key, the value and what is allowed."""
 
 
@@ -47,6 +60,29 @@ def resolve_model_path(path: str) -> str:
 
         return str(smollm2_path())
     return path
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_path(key: str, path: Any) -> None:
+    """A model this machine can load: a built-in name, an HF model directory, or a hub id."""
+    if path is None or path in BUILTIN_MODELS:
+        return
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(
+            f"{key}={path!r}: expected an HF model directory, a hub id (org/name), or tiny/smollm2"
+        )
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        if not (directory / "config.json").exists():
+            raise ConfigError(f"{key}={path!r}: the directory has no config.json; give an HF model directory")
+        return
+    if directory.exists() or not _HUB_ID.fullmatch(path):
+        raise ConfigError(
+            f"{key}={path!r}: no such model directory; give an HF model directory, a hub id (org/name) "
+            "on a machine that may download, or tiny/smollm2"
+        )
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
@@ -70,6 +106,15 @@ class InferenceSettings:
     max_model_len: int | None = None
     max_batch_size: int = 256
     deterministic_sampling: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How prompts are rendered and answers parsed (``rollout_engine.*``, ``rllm.disable_thinking``)."""
+
+    disable_thinking: bool = False
+    render_with_parser: bool = False
+    reasoning_effort: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +143,7 @@ class RunConfig:
     filter_zero_variance_groups: bool
     policy_loss: losses.ResolvedLoss
     critic_loss: losses.ResolvedLoss
+    role_losses: Mapping[str, losses.ResolvedLoss]
     loss_reduction: str
     bypass_mode: bool
     drop_malformed: bool
@@ -109,9 +155,42 @@ class RunConfig:
     val_sampling: Mapping[str, Any]
     inference: InferenceSettings
     checkpoint: CheckpointSettings
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    async_training: bool = False
+    async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
     warmup_steps_ratio: float = 0.0
     optimizer_steps: int | None = None  # known once the trainer says how many steps it runs
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def loss_for(self, role: str) -> losses.ResolvedLoss:
+        """The policy loss rows of trajectory role ``role`` train with."""
+        return self.role_losses.get(role, self.policy_loss)
+
+    def with_algorithm_config(self, algorithm_config: Any) -> RunConfig:
+        """A copy that takes the per-role estimators and losses the trainer's ``AlgorithmConfig`` carries.
+
+        rLLM users set them in code (``traj_group_adv_estimator_map`` values ``estimator`` or
+        ``(estimator, loss_fn)``); the loss of a role is its ``loss_fn_map`` entry, else
+        ``rllm.algorithm.loss_fn``, else the default for the role's estimator.
+        """
+        estimator_map = {
+            role: getattr(value, "value", value)
+            for role, value in (getattr(algorithm_config, "estimator_map", None) or {}).items()
+        }
+        loss_fn_map = dict(getattr(algorithm_config, "loss_fn_map", None) or {})
+        named = self.extra.get("loss_fn")
+        role_losses = dict(self.role_losses)
+        for role in set(estimator_map) | set(loss_fn_map):
+            name = (
+                loss_fn_map.get(role) or named or default_policy_loss(estimator_map.get(role, self.estimator))
+            )
+            try:
+                role_losses[role] = losses.resolve_loss("policy", name, self.loss_fn_config)
+            except ValueError as error:
+                raise ConfigError(f"loss for trajectory role {role!r} ({name!r}): {error}") from error
+        return dataclasses.replace(
+            self, estimator_map={**self.estimator_map, **estimator_map}, role_losses=role_losses
+        )
 
     @property
     def uses_critic(self) -> bool:
@@ -133,6 +212,11 @@ class RunConfig:
     @property
     def log_dir(self) -> Path:
         return Path(self.skyrl.trainer.log_path)
+
+    @property
+    def sync_dir(self) -> Path:
+        """Where the trainer writes weights for the servers to load; the servers load nothing else."""
+        return Path(self.checkpoint.root) / "sync"
 
     @property
     def num_minibatches(self) -> int:
@@ -181,8 +265,18 @@ def resolve_run_config(
     Raises ``ConfigError`` naming the key to change.
     """
     platform = platform or Platform.detect()
+    try:
+        apply_aliases(cfg, cli_overrides)
+        check_values(cfg)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     if OmegaConf.is_missing(cfg, "model.path") or not select(cfg, "model.path"):
-        raise ConfigError("model.path is not set; pass model.path=<HF model dir> (or model.path=tiny)")
+        raise ConfigError(
+            "model.path is not set; pass model.path=<HF model dir> (or model.name=..., tiny, smollm2)"
+        )
+    if resolve_models:
+        for key in ("model.path", "model.critic_path"):
+            check_model_path(key, select(cfg, key))
     try:
         overrides = bridge.skyrl_overrides(cfg, cli_overrides)
     except ValueError as error:
@@ -220,10 +314,17 @@ def resolve_run_config(
             )
     loss_fn_config = select(cfg, "training.loss_fn_config")
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
+    named_loss = select(cfg, "rllm.algorithm.loss_fn")
     try:
         policy_loss = losses.resolve_loss(
-            "policy", select(cfg, "rllm.algorithm.loss_fn") or "ppo", loss_fn_config
+            "policy", named_loss or default_policy_loss(estimator), loss_fn_config
         )
+        role_losses = {
+            role: losses.resolve_loss(
+                "policy", named_loss or default_policy_loss(role_estimator), loss_fn_config
+            )
+            for role, role_estimator in estimator_map.items()
+        }
         critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
     except ValueError as error:
         raise ConfigError(f"rllm.algorithm.loss_fn / training.loss_fn_config: {error}") from error
@@ -253,6 +354,25 @@ def resolve_run_config(
             "training.resume_mode=resume_path needs training.resume_from_path=<global_step_N dir>"
         )
 
+    async_training = bool(select(cfg, "rllm.async_training.enable", False))
+    if async_training and (
+        skyrl_cfg.trainer.update_epochs_per_batch != 1 or select(cfg, "training.num_minibatches", 1) != 1
+    ):
+        raise ConfigError(
+            "rllm.async_training.enable=true: rLLM hands the backend one optimizer step's groups in chunks "
+            "(rllm.async_training.fwd_bwd_group_size) and steps once; set training.num_minibatches=1 and "
+            "training.update_epochs=1 (use rllm.async_training.mini_batch_size for the step size)"
+        )
+    async_chunks = 1
+    if async_training:
+        mini_batch = int(select(cfg, "rllm.async_training.mini_batch_size", 1))
+        chunk = int(select(cfg, "rllm.async_training.fwd_bwd_group_size") or mini_batch)
+        if chunk < 1 or mini_batch % chunk:
+            raise ConfigError(
+                f"rllm.async_training.fwd_bwd_group_size={chunk} must divide "
+                f"rllm.async_training.mini_batch_size={mini_batch}"
+            )
+        async_chunks = mini_batch // chunk
     urls = tuple(select(cfg, "inference.urls") or ())
     return RunConfig(
         platform=platform,
@@ -266,6 +386,7 @@ def resolve_run_config(
         filter_zero_variance_groups=bool(select(cfg, "training.filter_zero_variance_groups", False)),
         policy_loss=policy_loss,
         critic_loss=critic_loss,
+        role_losses=role_losses,
         loss_reduction=loss_reduction,
         bypass_mode=bool(select(cfg, "rllm.algorithm.rollout_correction.bypass_mode", True)),
         drop_malformed=bool(select(cfg, "training.drop_malformed", False)),
@@ -289,8 +410,19 @@ def resolve_run_config(
             resume_from_path=resume_from_path,
             max_to_keep=int(select(cfg, "training.max_ckpts_to_keep", -1)),
         ),
+        rollout=RolloutSettings(
+            disable_thinking=bool(select(cfg, "rllm.disable_thinking", False)),
+            render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),
+            reasoning_effort=select(cfg, "rollout_engine.reasoning_effort"),
+        ),
+        async_training=async_training,
+        async_chunks=async_chunks,
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
-        extra={"loss_fn_config": loss_fn_config, "critic_loss_fn_config": critic_loss_fn_config},
+        extra={
+            "loss_fn": named_loss,
+            "loss_fn_config": loss_fn_config,
+            "critic_loss_fn_config": critic_loss_fn_config,
+        },
     )
 
 

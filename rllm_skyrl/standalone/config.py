@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm_skyrl.types import DEFAULT_TRAJECTORY_NAME, TerminationReason
+from rllm_skyrl.types import DEFAULT_TRAJECTORY_NAME, TerminationReason, termination_value
 
 
 def _section(config: DictConfig | None) -> dict[str, Any]:
@@ -97,7 +97,7 @@ class CompactFilteringConfig:
     def should_mask(self, reason: TerminationReason | str | None) -> bool:
         if not self.enable:
             return False
-        value = TerminationReason(reason or TerminationReason.UNKNOWN).value
+        value = TerminationReason(termination_value(reason)).value
         return bool(getattr(self, f"mask_{value}"))
 
 

@@ -199,64 +199,64 @@ class UnifiedTrainer:
         await self.backend.on_train_end(state)
 
     async def _run(self, state: TrainerState) -> None:
-        if self._get("rllm.trainer.val_before_train", False):
-            val_metrics = await self._validate(state)
-            if val_metrics:
-                self.tracking.log(val_metrics, step=state.global_step)
+        if self._get("rllm.trainer.val_before_train", True):
+            await self._validate(state)
         if self._get("rllm.trainer.val_only", False):
             return
         state.global_step += 1  # steps are 1-based; a resumed global_step is the last one completed
         await self._fit_on_policy(state)
 
     async def _fit_on_policy(self, state: TrainerState) -> None:
+        """rLLM's on-policy loop: periodic validation every ``test_freq`` steps (not after the step
+        that reaches ``total_batches``), and one more validation after the last step."""
         loader = self.train_dataloader
         if loader is None:
             raise ValueError("fit() needs a train_dataset")
+        total_batches = self._get("rllm.trainer.total_batches", -1) or -1
+        test_freq = self._get("rllm.trainer.test_freq", 5)
+        state.total_steps = self.total_training_steps
+        stop = False
         for epoch in range(loader.epoch, self.total_epochs):
-            if state.global_step > state.total_steps:
+            if stop:
                 break
             state.epoch = epoch
             await self.backend.on_epoch_start(state)
             for batch in loader:
                 await self._train_step(batch, state)
-                state.global_step += 1
-                if state.global_step > state.total_steps:
+                if total_batches > 0 and state.global_step >= total_batches:
+                    stop = True
                     break
+                if test_freq > 0 and state.global_step % test_freq == 0:
+                    await self._validate(state)
+                state.global_step += 1
             await self.backend.on_epoch_end(state)
+        if test_freq > 0:
+            await self._validate(state)
 
     async def _train_step(self, batch: list[dict[str, Any]], state: TrainerState) -> None:
         state.reset_batch()
         await self.backend.on_batch_start(state)
-        with _timed("step", state.timing_dict):  # the whole step, weight sync and checkpoint included
-            try:
-                await self._train_batch(batch, state)
-            finally:
-                await self.backend.on_batch_end(state)  # weight sync / checkpoint even after a failed step
-
-        metrics = state.metrics
-        for name, seconds in state.timing_dict.items():
-            metrics.setdefault(f"time/{name}", seconds)
-        metrics.setdefault("progress/batch", state.global_step)
-        metrics.setdefault("progress/epoch", state.epoch)
-        metrics.setdefault("progress/done_frac", state.global_step / max(state.total_steps, 1))
-        test_freq = self._get("rllm.trainer.test_freq", 5)
-        is_last = state.global_step >= state.total_steps or self.train_dataloader.epoch >= self.total_epochs
-        if test_freq > 0 and (state.global_step % test_freq == 0 or is_last):
-            metrics.update(await self._validate(state))
-        self.tracking.log(metrics, step=state.global_step)
+        with _timed("step", state.timing_dict):
+            await self._train_batch(batch, state)
+        await self.backend.on_batch_end(state)
+        self.tracking.log(state.metrics, step=state.global_step)
 
     async def _train_batch(self, batch: list[dict[str, Any]], state: TrainerState) -> None:
         state.episodes = await self.backend.generate_episodes(
             batch, agent_workflow_engine=self.agent_workflow_engine, is_validation=False
         )
+        if not state.episodes:
+            return
         state.metrics.update(episode_metrics(state.episodes))
         groups, group_metrics = group_trajectories(state.episodes, self.transform_config, self.cf_config)
-        state.trajectory_groups = groups
         state.metrics.update(group_metrics)
-        state.metrics.update(reward_metrics(groups))
-        if not groups:
+        # rLLM drops groups too small to compare rollouts in (rejection_sample.min_trajs_per_group).
+        kept = [g for g in groups if len(g.trajectories) >= self.rs_config.min_trajs_per_group]
+        state.metrics["batch/groups_dropped_insufficient_trajs"] = float(len(groups) - len(kept))
+        state.trajectory_groups = kept
+        if not kept:
             logger.warning(
-                "step %d: no trainable trajectories; skipping the policy update", state.global_step
+                "step %d: no trainable trajectory groups; skipping the policy update", state.global_step
             )
             return
 
@@ -269,10 +269,10 @@ class UnifiedTrainer:
         await self.backend.compute_advantages(state, self.algorithm_config)
         await self.backend.update_policy(state)
 
-    async def _validate(self, state: TrainerState) -> dict[str, float]:
-        """Roll out the whole val set; ``val/<source>/pass@1``, ``pass@<n_val>``, ``val/reward/*``."""
+    async def _validate(self, state: TrainerState) -> None:
+        """Roll out the whole val set and log ``val/<source>/pass@1``, ``pass@<n_val>``, ``val/reward/*``."""
         if self.val_dataloader is None or not await self.backend.on_validation_start(state):
-            return {}
+            return
         try:
             start = time.perf_counter()
             episodes = []
@@ -286,7 +286,7 @@ class UnifiedTrainer:
             metrics["time/testing"] = time.perf_counter() - start
         finally:
             await self.backend.on_validation_end(state)
-        return metrics
+        self.tracking.log(metrics, step=state.global_step)
 
     def shutdown(self) -> None:
         """Stop the backend (synchronously) and close the loggers."""

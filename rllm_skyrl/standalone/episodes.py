@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from rllm_skyrl.standalone.config import CompactFilteringConfig, TransformConfig
-from rllm_skyrl.types import Episode, TerminationReason, Trajectory, TrajectoryGroup
+from rllm_skyrl.types import Episode, TerminationReason, Trajectory, TrajectoryGroup, termination_value
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     metrics = {f"batch/{key}": value for key, value in _mean_numeric_metrics(episodes).items()}
     total = max(len(episodes), 1)
     for reason in TerminationReason:
-        count = sum((e.termination_reason or TerminationReason.UNKNOWN) == reason for e in episodes)
+        count = sum(termination_value(e.termination_reason) == reason.value for e in episodes)
         metrics[f"batch/termination_reason/{reason.value}"] = count / total
     metrics["batch/num_episodes"] = float(len(episodes))
     return metrics

@@ -17,10 +17,12 @@ import uuid
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rllm_skyrl.compat import rllm
 from rllm_skyrl.standalone.rollout_engine import RolloutEngine
-from rllm_skyrl.types import Episode, ModelOutput, Step, TerminationReason, Trajectory
+from rllm_skyrl.types import Episode, ModelOutput, Step, TerminationReason, Trajectory, termination_value
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +197,7 @@ class WorkflowEngine:
         self.n_parallel_tasks = n_parallel_tasks
         self.retry_limit = retry_limit
         self.raise_on_error = raise_on_error
+        self._executor: ThreadPoolExecutor | None = None  # environment calls of rLLM workflows
 
     async def execute_tasks(
         self,
@@ -224,7 +227,7 @@ class WorkflowEngine:
         async with limit:
             for attempt in range(1, self.retry_limit + 1):
                 episode = await self._run_once(task, uid, kwargs)
-                if episode.termination_reason != TerminationReason.ERROR:
+                if termination_value(episode.termination_reason) != TerminationReason.ERROR.value:
                     break
                 error = episode.metadata["error"]
                 logger.warning(
@@ -243,11 +246,11 @@ class WorkflowEngine:
         # The engine, not the workflow, owns the id: grouping and pass@k rely on it.
         episode.id = uid
         episode.task = task
-        if isinstance(task, dict) and "data_source" in task:
-            episode.metadata.setdefault("data_source", task["data_source"])
         return episode
 
     async def _run_once(self, task: dict[str, Any], uid: str, kwargs: dict[str, Any]) -> Episode:
+        if rllm.is_rllm_workflow(self.workflow_cls):
+            return await self._run_rllm_workflow(task, uid, kwargs)
         workflow = self.workflow_cls(rollout_engine=self.rollout_engine, **self.workflow_args)
         try:
             episode = await asyncio.wait_for(workflow.run(task, uid, **kwargs), timeout=workflow.timeout)
@@ -274,3 +277,14 @@ class WorkflowEngine:
                 f"{self.workflow_cls.__name__}.run returned {type(episode).__name__}, expected an Episode"
             )
         return episode
+
+    async def _run_rllm_workflow(self, task: Any, uid: str, kwargs: dict[str, Any]) -> Any:
+        """An rLLM ``Workflow``, run as rLLM's workflow engine runs it: its own termination handling
+        turns a ``TerminationEvent``, a timeout or an exception into the episode's reason."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.n_parallel_tasks)
+        workflow = self.workflow_cls(
+            rollout_engine=self.rollout_engine, executor=self._executor, **self.workflow_args
+        )
+        workflow.reset(task, uid)
+        return await workflow.run_with_termination_handling(task, uid, **kwargs)

@@ -1,0 +1,92 @@
+"""One RL update over a batch: forward_backward per mini-batch (and PPO epoch), optimizer steps between.
+
+The rows of one optimizer step are split into mini-batches (``training.num_minibatches``), each a
+multiple of the data-parallel size; every mini-batch is trained on every role (policy, and the
+critic for PPO) through the model registry. The last optimizer step of a batch is left to the
+caller (``update_policy``), so gradients of several calls accumulate when rLLM's fully-async mode
+hands one step's groups in chunks.
+
+Trajectory roles may train with different policy losses (rLLM's per-role ``loss_fn_map``): a
+mini-batch is then forward-backwarded once per loss on the rows of its roles. SkyRL's policy losses
+are masked sums over advantages already scaled for the whole mini-batch's reduction, so the split
+adds up to exactly the unsplit gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rllm_skyrl.batch_layout import real_rows, row_slice, select_rows
+from rllm_skyrl.losses import ResolvedLoss
+from rllm_skyrl.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
+
+
+def minibatch_boundaries(num_rows: int, num_minibatches: int, dp_size: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges, one per optimizer step; each a multiple of the DP size but the last."""
+    count = min(num_minibatches, max(num_rows // dp_size, 1))
+    size = math.ceil(num_rows / count / dp_size) * dp_size
+    return [(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+
+def row_roles(batch: Any) -> list[str]:
+    """Each row's trajectory role, from its group id ``"task:role"``."""
+    return [uid.rpartition(":")[2] for uid in batch.metadata["uids"]]
+
+
+class PolicyUpdate:
+    """Trains the run's roles on one batch through ``models`` (a ``ModelRegistry``)."""
+
+    def __init__(self, run: Any, models: Any, dp_size: int, metrics: StepMetrics) -> None:
+        self.run = run
+        self.models = models
+        self.dp_size = dp_size
+        self.metrics = metrics
+
+    def boundaries(self, batch: Any) -> list[tuple[int, int]]:
+        return minibatch_boundaries(real_rows(batch), self.run.num_minibatches, self.dp_size)
+
+    def accumulate(self, batch: Any, boundaries: list[tuple[int, int]]) -> None:
+        """forward_backward over every mini-batch and epoch; an optimizer step between consecutive ones."""
+        plan = boundaries * self.run.update_epochs
+        for index, (start, end) in enumerate(plan):
+            for role in self.run.trained_roles:
+                with self.metrics.timed(
+                    "forward_backward" if role == "policy" else f"forward_backward_{role}"
+                ):
+                    if role == "policy":
+                        self._policy(batch, start, end, first=index == 0)
+                    else:
+                        minibatch = row_slice(batch, start, end, self.dp_size)
+                        output = self.models.forward_backward(role, minibatch, self.run.critic_loss)
+                        self.metrics.add(worker_metrics(role, output.metrics))
+            if index < len(plan) - 1:
+                self.optim_step()
+
+    def _policy(self, batch: Any, start: int, end: int, first: bool) -> None:
+        by_loss: list[tuple[ResolvedLoss, list[int]]] = []
+        for offset, role in enumerate(row_roles(batch)[start:end]):
+            loss = self.run.loss_for(role)
+            rows = next((rows for known, rows in by_loss if known == loss), None)
+            if rows is None:
+                rows = []
+                by_loss.append((loss, rows))
+            rows.append(start + offset)
+        for loss, rows in by_loss:
+            if len(by_loss) == 1:
+                part = row_slice(batch, start, end, self.dp_size)
+            else:
+                part = select_rows(batch, rows, self.dp_size)
+            output = self.models.forward_backward("policy", part, loss)
+            self.metrics.add(worker_metrics("policy", output.metrics))
+            if first:  # the sampler-vs-trainer gap is measured before any update of this batch
+                logprobs = [{"logprobs": row["logprobs"]["data"]} for row in output.loss_fn_outputs]
+                self.metrics.add(logprob_gap_metrics(part, logprobs))
+
+    def optim_step(self) -> None:
+        """Apply the accumulated gradients of every trained role."""
+        with self.metrics.timed("optim_step"):
+            for role in self.run.trained_roles:
+                grad_norm = self.models.optim_step(role)
+                if grad_norm is not None:
+                    self.metrics.add({f"{'train' if role == 'policy' else role}/grad_norm": float(grad_norm)})
