@@ -1,6 +1,10 @@
 """Train on Modal GPUs: ``modal run modal_run.py --module examples.simple_math.train --overrides "k=v ..."``.
 
-The image is Debian with this repository installed with its ``gpu`` extra. Weights & Biases and
+The image is Debian with this repository installed with its ``gpu`` extra: the packages are read
+from ``pyproject.toml`` (``image_requirements``), so the image installs exactly what
+``pip install '.[gpu]'`` does. flash-attn is not among them (PyPI has no wheel for it; without it
+SkyRL trains with sdpa); set ``RLLM_SKYRL_MODAL_FLASH_ATTN_WHEEL`` to a wheel URL matching the
+image's torch 2.13 / CUDA / Python 3.12 to add it as its own layer. Weights & Biases and
 Hugging Face credentials come from Modal secrets; run directories (and so checkpoints) are written
 to a Modal volume, where a later run can resume from them. The GPU type and count default to
 ``RLLM_SKYRL_MODAL_GPU`` / ``RLLM_SKYRL_MODAL_GPU_COUNT`` and can be changed per run with ``--gpu``
@@ -17,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 
@@ -34,6 +39,8 @@ WANDB_SECRET = os.environ.get("RLLM_SKYRL_MODAL_WANDB_SECRET", "wandb-secret")
 HF_SECRET = os.environ.get("RLLM_SKYRL_MODAL_HF_SECRET", "huggingface-secret")
 VOLUME_NAME = os.environ.get("RLLM_SKYRL_MODAL_VOLUME", "rllm-skyrl-runs")
 TIMEOUT_S = 24 * 60 * 60
+IMAGE_EXTRAS = ("gpu",)
+FLASH_ATTN_WHEEL = os.environ.get("RLLM_SKYRL_MODAL_FLASH_ATTN_WHEEL") or None
 
 # Local state that must not be baked into the image (and would make every build miss the cache).
 IMAGE_IGNORE = [".git", ".venv", ".cache", "runs", "outputs", "**/__pycache__", "*.egg-info", "build", "dist"]
@@ -78,14 +85,33 @@ def run_example(
     subprocess.run(example_command(module, overrides), cwd=workdir, env=env, check=True)
 
 
-image = (
-    modal.Image.debian_slim(python_version="3.12")
-    .apt_install("git", "build-essential")
+def image_requirements(pyproject: Path = REPO_DIR / "pyproject.toml", extras: Sequence[str] = IMAGE_EXTRAS):
+    """The project's dependencies plus those of ``extras``, as pyproject.toml lists them (sorted)."""
+    project = tomllib.loads(Path(pyproject).read_text())["project"]
+    optional = project.get("optional-dependencies", {})
+    unknown = [extra for extra in extras if extra not in optional]
+    if unknown:
+        raise ValueError(f"extras {unknown} are not in {pyproject}; it has {sorted(optional)}")
+    return sorted({*project["dependencies"], *(req for extra in extras for req in optional[extra])})
+
+
+def build_image(image_cls=None, flash_attn_wheel: str | None = FLASH_ATTN_WHEEL):
+    """Debian + the pyproject's ``gpu`` install set, (optionally) flash-attn, then this repository."""
+    image_cls = image_cls or modal.Image
     # Dependencies first, from pyproject.toml alone: this layer is rebuilt only when they change.
-    .pip_install_from_pyproject(str(REPO_DIR / "pyproject.toml"), optional_dependencies=["gpu"])
-    .add_local_dir(REPO_DIR, str(REMOTE_REPO), copy=True, ignore=IMAGE_IGNORE)
-    .run_commands(f"python -m pip install --no-deps '{REMOTE_REPO}'")
-)
+    image = (
+        image_cls.debian_slim(python_version="3.12")
+        .apt_install("git", "build-essential")
+        .pip_install(*image_requirements())
+    )
+    if flash_attn_wheel:  # its own layer, after torch: the wheel must match torch, CUDA and Python
+        image = image.pip_install(flash_attn_wheel)
+    return image.add_local_dir(REPO_DIR, str(REMOTE_REPO), copy=True, ignore=IMAGE_IGNORE).run_commands(
+        f"python -m pip install --no-deps '{REMOTE_REPO}'"
+    )
+
+
+image = build_image()
 runs_volume = modal.Volume.from_name(VOLUME_NAME, create_if_missing=True)
 secrets = [modal.Secret.from_name(WANDB_SECRET), modal.Secret.from_name(HF_SECRET)]
 app = modal.App(APP_NAME, image=image)

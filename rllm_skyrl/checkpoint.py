@@ -120,6 +120,7 @@ def _refuse_foreign_writers(path: Path) -> None:
             "holds (code execution); fix its owner and mode (chmod go-w) or resume from a copy you own"
         )
 
+
 # Crash tests' seam: called with (step, temporary directory) once a save has written and flushed
 # every part and before it publishes them, so a test can kill the run at exactly that point.
 # None in every real run.

@@ -197,10 +197,17 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 
 
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
-    """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
+    """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing.
+
+    The config is checked with SkyRL's own ``validate_cfg`` (on a copy: it edits what it checks),
+    so a placement SkyRL would refuse fails here, before any GPU is rented.
+    """
+    import copy
+
     from hydra import compose, initialize_config_dir, initialize_config_module
     from hydra.errors import HydraException
     from skyrl.train.config.config import get_config_as_yaml_str
+    from skyrl.train.utils.utils import validate_cfg
 
     from rllm_skyrl.platform import Platform
     from rllm_skyrl.run_config import ConfigError, resolve_run_config
@@ -216,28 +223,62 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
         except HydraException as error:  # an unknown key or group: the user's to fix
             raise ConfigError(str(error).strip().replace("\n", " ")) from None
     run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
+    try:
+        validate_cfg(copy.deepcopy(run.skyrl))
+    except (AssertionError, ValueError) as error:
+        raise ConfigError(f"SkyRL rejects this config for a GPU cluster: {error}") from error
+    return placement_summary(run) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)
+
+
+def placement_summary(run) -> str:
+    """GPUs per role and for inference, colocation, weight transfer, attention, and the GPU total."""
+    from skyrl.backends.skyrl_train.weight_sync import get_transfer_strategy
+
     placement = run.skyrl.trainer.placement
+    engines_cfg = run.skyrl.generator.inference_engine
     roles = [
         (role, getattr(placement, f"{role}_num_nodes"), getattr(placement, f"{role}_num_gpus_per_node"))
         for role in run.roles
     ]
-    urls = run.inference.urls
-    engines = len(urls) if urls else run.inference.num_engines
     lines = ["# placement"]
     lines += [
         f"{role}: {nodes} node(s) x {gpus} GPU(s) = {nodes * gpus} training GPU(s)"
         for role, nodes, gpus in roles
     ]
-    lines.append(
-        f"inference: {engines} engine(s) "
-        + (f"at {list(urls)}" if urls else "started by the backend (vLLM on GPU, transformers on CPU)")
-    )
+    urls = run.inference.urls
+    if urls:
+        inference_gpus = 0
+        lines.append(f"inference: {len(urls)} engine(s) at {list(urls)} (their GPUs are not counted here)")
+    else:
+        per_engine = (
+            engines_cfg.tensor_parallel_size
+            * engines_cfg.pipeline_parallel_size
+            * engines_cfg.data_parallel_size
+        )
+        inference_gpus = engines_cfg.num_engines * per_engine
+        lines.append(
+            f"inference: {engines_cfg.num_engines} vLLM engine(s) x {per_engine} GPU(s) = {inference_gpus} "
+            "GPU(s), started by the backend"
+        )
     lines.append(
         f"colocate_all: {placement.colocate_all}  colocate_policy_ref: {placement.colocate_policy_ref}"
     )
-    total = sum(nodes * gpus for _, nodes, gpus in roles)
-    lines.append(f"total training GPUs: {total}")
-    return "\n".join(lines) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)
+    training = sum(nodes * gpus for _, nodes, gpus in roles)
+    if placement.colocate_all:  # every role and the engines share the same GPUs
+        needed = max(nodes * gpus for _, nodes, gpus in roles)
+    else:
+        ref_shares = placement.colocate_policy_ref and "ref" in run.roles
+        ref_gpus = placement.ref_num_nodes * placement.ref_num_gpus_per_node if ref_shares else 0
+        needed = training - ref_gpus + inference_gpus
+    transfer = get_transfer_strategy(engines_cfg.weight_sync_backend, placement.colocate_all)
+    lines.append(f"weight transfer: {'CUDA IPC' if transfer == 'ipc' else transfer.upper()}")
+    lines.append(
+        "attention: flash_attention_2 where flash-attn is installed, else sdpa "
+        "(trainer.flash_attn and remove_microbatch_padding are turned off automatically)"
+    )
+    lines.append(f"total training GPUs: {training}")
+    lines.append(f"GPUs needed: {needed}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

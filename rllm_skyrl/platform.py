@@ -1,26 +1,29 @@
 """CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
 
 Everything that differs between a GPU cluster and a laptop is answered by one ``Platform`` object,
-built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL patches that make
-its workers run without CUDA stay in ``compat/cpu.py``; this module only decides whether they apply.
+built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL patches live in
+``compat/``; this module only decides which of them apply.
 
 | question | CUDA | CPU |
 |---|---|---|
 | servers (``server_kind``) | SkyRL's vLLM servers | this package's transformers servers |
 | weight sync (``weight_sync_method``) | SkyRL's in-memory transfer | HF save on disk + reload |
 | Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
-| SkyRL settings (``skyrl_overrides``) | ``flash_attn`` if installed | ``cpu.CPU_CONFIG_OVERRIDES`` |
+| SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
+| SkyRL patches (``compat_patches``) | tied embeddings; flash-attn stub without it | all three sets |
+
+flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
 Servers given by URL (``inference.urls``) are used on either platform.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
-from rllm_skyrl.compat import cpu
+from rllm_skyrl import compat
+from rllm_skyrl.compat import cpu, flash_attn
 
 # Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at data-parallel
 # size 2 each. They only gate scheduling; nothing runs on them.
@@ -39,9 +42,9 @@ class Platform:
 
     @classmethod
     def detect(cls) -> Platform:
-        """This machine: CUDA if torch sees a GPU; flash-attn if it is installed (never on CPU)."""
+        """This machine: CUDA if torch sees a GPU; flash-attn if it is installed (never used on CPU)."""
         cuda = cpu.cuda_available()
-        return cls(cuda=cuda, flash_attn=cuda and importlib.util.find_spec("flash_attn") is not None)
+        return cls(cuda=cuda, flash_attn=cuda and flash_attn.available())
 
     @classmethod
     def gpu_cluster(cls) -> Platform:
@@ -75,16 +78,28 @@ class Platform:
 
     def skyrl_overrides(self) -> dict[str, Any]:
         """SkyRL config values this platform forces over the user's (they cannot work otherwise)."""
+        overrides: dict[str, Any] = {}
+        if not self.flash_attn:
+            overrides.update(flash_attn.CONFIG_OVERRIDES)
         if not self.cuda:
-            return dict(cpu.CPU_CONFIG_OVERRIDES)
-        # SkyRL imports flash-attn when trainer.flash_attn is on; without it, sdpa attention.
-        return {} if self.flash_attn else {"trainer.flash_attn": False}
+            overrides.update(cpu.CPU_CONFIG_OVERRIDES)
+        return overrides
+
+    @property
+    def compat_patches(self) -> tuple[str, ...]:
+        """The ``compat`` patch sets SkyRL needs here (applied in the driver and in every worker)."""
+        names = [] if self.flash_attn else ["flash_attn_stub"]
+        if not self.cuda:
+            names.append("cpu")
+        return (*names, "tied_embeddings")
 
     def prepare_process(self) -> None:
-        """Make this process able to import and run SkyRL's workers (the CPU patches, on CPU)."""
-        if not self.cuda:
-            cpu.apply()
+        """Make this process able to import and run SkyRL's workers."""
+        compat.apply(self.compat_patches)
 
     def ray_runtime_env(self) -> dict[str, Any]:
-        """Runtime-env entries every Ray worker needs: the CPU patches' setup hook, on CPU."""
-        return {} if self.cuda else {"worker_process_setup_hook": cpu.SETUP_HOOK}
+        """Runtime-env entries every Ray worker needs: the same patches, through Ray's set-up hook."""
+        return {
+            "worker_process_setup_hook": compat.SETUP_HOOK,
+            "env_vars": {compat.ENV_VAR: ",".join(self.compat_patches)},
+        }

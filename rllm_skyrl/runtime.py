@@ -50,7 +50,8 @@ def runtime_env_for(
         log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
         os.environ["SKYRL_LOG_FILE"] = log_file
         env_vars["SKYRL_LOG_FILE"] = log_file
-    return {"env_vars": env_vars, **platform.ray_runtime_env()}
+    platform_env = platform.ray_runtime_env()
+    return {**platform_env, "env_vars": {**env_vars, **platform_env.get("env_vars", {})}}
 
 
 def start_ray(
@@ -104,6 +105,25 @@ def _require_ray_token() -> None:
     ray._raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
+def colocated_placement_group(skyrl_cfg: Any):
+    """SkyRL's ``colocate_all`` placement: one ``{GPU: 1, CPU: 1}`` bundle per inference GPU, which
+    the vLLM servers and the trainer's actors then share (as SkyRL's ``BasePPOExp.get_colocate_pg``)."""
+    from ray.util.placement_group import placement_group
+    from skyrl.env_vars import SKYRL_RAY_PG_TIMEOUT_IN_S
+    from skyrl.train.utils.utils import ResolvedPlacementGroup, get_ray_pg_ready_with_timeout
+
+    engines = skyrl_cfg.generator.inference_engine
+    slots = (
+        engines.num_engines
+        * engines.tensor_parallel_size
+        * engines.pipeline_parallel_size
+        * engines.data_parallel_size
+    )
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * slots, strategy="PACK")
+    get_ray_pg_ready_with_timeout(pg, timeout=SKYRL_RAY_PG_TIMEOUT_IN_S)
+    return ResolvedPlacementGroup(pg)
+
+
 def load_tokenizer(model_path: str):
     """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
     from transformers import AutoTokenizer
@@ -127,6 +147,7 @@ class Runtime:
         self.workers: SkyRLWorkers | None = None
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
+        self.placement_group: Any = None  # SkyRL's shared placement group, with colocate_all
         self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
         self._first_step_at: float | None = None
         self._startup_reported = False
@@ -137,17 +158,26 @@ class Runtime:
 
         This package's CPU servers are separate processes that need no Ray: they are launched first
         and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
-        and start after Ray. A failure part-way stops whatever had started before re-raising.
+        and start after Ray; with ``colocate_all`` (CUDA) in SkyRL's order: the shared placement
+        group, the servers (they size their memory on GPUs the trainer does not use yet), then the
+        workers. A failure part-way stops whatever had started before re-raising.
         """
         started = time.perf_counter()
         runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
         phase = runtime._phase
         try:
-            if serve and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
+            colocated = run.skyrl.trainer.placement.colocate_all
+            if serve and not colocated and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
                 with phase("servers_launch"):
                     runtime.servers = start_servers(run, runtime.tokenizer)
             with phase("ray"):
                 runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+            if colocated:
+                with phase("placement_group"):
+                    runtime.placement_group = colocated_placement_group(run.skyrl)
+                if serve:
+                    with phase("servers_launch"):
+                        runtime.servers = start_servers(run, runtime.tokenizer, runtime.placement_group)
             with phase("workers"):
                 runtime.workers = SkyRLWorkers(
                     run.skyrl,
@@ -155,6 +185,7 @@ class Runtime:
                     total_training_steps=run.optimizer_steps,
                     roles=run.roles,
                     platform=run.platform,
+                    placement_group=runtime.placement_group,
                 )
             runtime.models = ModelRegistry(runtime.workers)
             if serve:
@@ -206,12 +237,13 @@ class Runtime:
         )
 
     def shutdown(self) -> None:
-        """Stop servers, then workers, then Ray if we started it; every part even if one fails.
+        """Stop servers, workers, the shared placement group, then Ray if we started it; every part
+        even if one fails.
 
         Safe to call twice. The first failure is re-raised once everything was tried.
         """
         errors: list[BaseException] = []
-        for stop in (self._stop_servers, self._stop_workers, self._stop_ray):
+        for stop in (self._stop_servers, self._stop_workers, self._stop_placement_group, self._stop_ray):
             try:
                 stop()
             except BaseException as error:  # noqa: BLE001 (keep stopping the rest)
@@ -229,6 +261,13 @@ class Runtime:
         workers, self.workers, self.models = self.workers, None, None
         if workers is not None:
             workers.shutdown()
+
+    def _stop_placement_group(self) -> None:
+        placement_group, self.placement_group = self.placement_group, None
+        if placement_group is not None and ray.is_initialized():
+            from ray.util import remove_placement_group
+
+            remove_placement_group(placement_group.pg)
 
     def _stop_ray(self) -> None:
         if self.owns_ray and ray.is_initialized():

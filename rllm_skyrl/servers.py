@@ -301,25 +301,32 @@ class SkyRLServers(ServerGroup):
             self.setup.router.shutdown()
 
 
-def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
-    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``)."""
+def start_skyrl_servers(skyrl_cfg, tokenizer, placement_group=None) -> SkyRLServers:
+    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``);
+    ``placement_group`` is the one shared with the trainer when ``colocate_all`` is on."""
     from rllm_skyrl.optional_deps import require
 
     require("vllm")
     from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
 
-    client, setup = build_new_inference_client(skyrl_cfg, tokenizer)
+    client, setup = build_new_inference_client(skyrl_cfg, tokenizer, placement_group=placement_group)
     return SkyRLServers(urls=list(setup.server_urls), client=client, setup=setup)
 
 
-def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
+def start_servers(run: RunConfig, tokenizer, placement_group=None) -> ServerGroup:
     """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers
     (launched; the caller waits with ``wait_ready``, so other bring-up overlaps their start)."""
     kind = run.platform.server_kind(run.inference.urls)
+    if placement_group is not None and kind != "skyrl_vllm":
+        raise ValueError(
+            f"skyrl.trainer.placement.colocate_all=true needs SkyRL's vLLM servers started by this "
+            f"backend on CUDA, but the servers here are {kind!r}; set colocate_all=false"
+            + (" or drop inference.urls" if kind == "external" else "")
+        )
+    if kind == "skyrl_vllm":
+        return start_skyrl_servers(run.skyrl, tokenizer, placement_group)
     if kind == "external":
         return external_servers(list(run.inference.urls))
-    if kind == "skyrl_vllm":
-        return start_skyrl_servers(run.skyrl, tokenizer)
     return launch_cpu_servers(
         run.model_path,
         run.inference.num_engines,

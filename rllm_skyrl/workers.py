@@ -19,13 +19,19 @@ from rllm_skyrl.run_config import roles_for
 logger = logging.getLogger(__name__)
 
 ROLES = ("policy", "critic", "ref")
+# Share of a GPU each colocated actor asks Ray for, as SkyRL's trainer does (vLLM's actors take
+# the same): the bundles of the shared placement group hold trainer and server actors together.
+COLOCATED_GPU_SHARE = 0.2
 
 
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 
     Ray must already be initialised (see ``rllm_skyrl.runtime.start_ray``). ``roles`` defaults to
-    what the config asks for (``run_config.roles_for``).
+    what the config asks for (``run_config.roles_for``). With ``trainer.placement.colocate_all``
+    the actors go into ``placement_group``, the one SkyRL's vLLM servers were started in
+    (``runtime.colocated_placement_group``); SkyRL's dispatch then moves models on and off the
+    GPUs, and its weight transfer uses CUDA IPC.
     """
 
     def __init__(
@@ -35,6 +41,7 @@ class SkyRLWorkers:
         total_training_steps: int | None = None,
         roles: tuple[str, ...] | None = None,
         platform: Platform | None = None,
+        placement_group=None,
     ):
         from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
         from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
@@ -43,10 +50,12 @@ class SkyRLWorkers:
             raise RuntimeError("Ray is not running; call rllm_skyrl.runtime.start_ray(...) first.")
         if cfg.trainer.strategy != "fsdp":
             raise ValueError(f"trainer.strategy={cfg.trainer.strategy!r} is not supported; use 'fsdp'.")
-        if cfg.trainer.placement.colocate_all:
+        colocated = bool(cfg.trainer.placement.colocate_all)
+        if colocated and placement_group is None:
             raise ValueError(
-                "trainer.placement.colocate_all=true is not supported yet: training and inference run on "
-                "separate devices; set skyrl.trainer.placement.colocate_all=false"
+                "trainer.placement.colocate_all=true needs the placement group shared with the vLLM "
+                "servers; start the run through rllm_skyrl.runtime.Runtime.start, or set "
+                "skyrl.trainer.placement.colocate_all=false"
             )
         (platform or Platform.detect()).prepare_process()
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
@@ -64,9 +73,9 @@ class SkyRLWorkers:
                     getattr(placement, f"{role}_num_nodes"),
                     getattr(placement, f"{role}_num_gpus_per_node"),
                     worker_classes[role],
-                    pg=None,
-                    num_gpus_per_actor=1,
-                    colocate_all=False,
+                    pg=placement_group if colocated else None,
+                    num_gpus_per_actor=COLOCATED_GPU_SHARE if colocated else 1,
+                    colocate_all=colocated,
                     sequence_parallel_size=getattr(cfg.trainer, role).sequence_parallel_size,
                 )
             self._init_models(total_training_steps)

@@ -25,6 +25,14 @@ def tiny_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tied_tiny_model_dir() -> str:
+    """The tiny model with tied input and output embeddings (same tokenizer as ``tiny_model_dir``)."""
+    from rllm_skyrl.tiny_model import TinyModelConfig, build_tiny_model
+
+    return str(build_tiny_model(TinyModelConfig(tie_word_embeddings=True)))
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -35,6 +35,7 @@ BRIDGED_VALUES = {
     "rllm.algorithm.kl_beta": 0.01,
     "rllm.algorithm.lr_schedule": "cosine",
     "rllm.algorithm.warmup_steps": 9,
+    "inference.num_engines": 3,
 }
 
 N_RLLM, N_SKYRL = "rllm.rollout.n", "skyrl.generator.n_samples_per_prompt"

@@ -167,11 +167,13 @@ def test_temperature_zero_is_deterministic_and_batch_invariant(server, tiny_toke
 
     batched, alone = with_client(server, tiny_tokenizer, run)
     assert batched["response_ids"][0] == alone["response_ids"][0]
-    # A plain greedy loop on the HF model picks the same tokens.
+    # A plain greedy loop on the HF model picks the same tokens (eos banned, as min_tokens=10 does).
     ids = list(prompts[0])
     with torch.no_grad():
         for _ in range(10):
-            ids.append(int(hf_model(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            logits[tiny_tokenizer.eos_token_id] = float("-inf")
+            ids.append(int(logits.argmax()))
     assert alone["response_ids"][0] == ids[len(prompts[0]) :]
 
 
@@ -542,13 +544,16 @@ def test_cli_serves_on_a_free_port(tiny_model_dir):
 
 
 def test_reload_unties_embeddings_the_trainer_trained_apart(
-    server, tiny_tokenizer, prompts, tiny_model_dir, weights_root
+    tiny_tokenizer, prompts, tied_tiny_model_dir, tmp_path
 ):
-    """SkyRL's FSDP workers train a tied lm_head and embedding apart; the server must follow."""
+    """A checkpoint whose tied lm_head and embedding were trained apart (SkyRL's FSDP set-up
+    without ``compat/tied_embeddings.py``): the server must serve what it was sent."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    untied_dir = weights_root / "untied"
+    tiny_model_dir = str(tmp_path / "base")  # under the server's weights root, to restore it from
+    shutil.copytree(tied_tiny_model_dir, tiny_model_dir)
+    untied_dir = tmp_path / "untied"
     tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tied.save_pretrained(untied_dir)
     state = load_file(untied_dir / "model.safetensors")
@@ -567,12 +572,11 @@ def test_reload_unties_embeddings_the_trainer_trained_apart(
     async def run(client):
         status, _ = await post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(untied_dir)})
         out = await generate(client, prompts, **sampling)
-        restored, _ = await post(
-            f"{server.url}/rllm_skyrl/v1/load_weights", {"path": str(weights_root / "base")}
-        )
+        restored, _ = await post(f"{server.url}/rllm_skyrl/v1/load_weights", {"path": tiny_model_dir})
         return status, out, restored
 
-    status, out, restored = with_client(server, tiny_tokenizer, run)
+    with InferenceServer(tiny_model_dir, weights_root=tmp_path) as server:
+        status, out, restored = with_client(server, tiny_tokenizer, run)
     assert status == 200 and restored == 200  # the tied original (lm_head saved once) still loads
     for prompt, ids, lps in zip(prompts, out["response_ids"], out["response_logprobs"], strict=True):
         assert max_abs_diff(hf_logprobs(reference, prompt, ids, 1.0), lps) <= LOGPROB_TOLERANCE

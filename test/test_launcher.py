@@ -27,11 +27,12 @@ def test_plan_shows_placement_and_resolved_config_without_starting_anything():
             "skyrl.trainer.placement.policy_num_gpus_per_node=8",
             "skyrl.trainer.placement.critic_num_gpus_per_node=4",
             "inference.urls=[http://10.0.0.5:8000,http://10.0.0.6:8000]",
-        ]
+        ],
+        config_dir=str(Path(__file__).resolve().parent.parent / "config"),
     )
     assert "policy: 1 node(s) x 8 GPU(s) = 8 training GPU(s)" in text
     assert "critic: 1 node(s) x 4 GPU(s) = 4 training GPU(s)" in text
-    assert "inference: 2 engine(s)" in text
+    assert "inference: 2 engine(s) at" in text
     assert "total training GPUs: 12" in text
     # The GPU view: CPU-only overrides are not applied to a cluster plan.
     assert "flash_attn: true" in text

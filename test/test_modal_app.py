@@ -116,3 +116,76 @@ def test_run_example_keeps_wandb_offline_without_a_key_and_reports_failure(load_
         load_modal_run().run_example("job", [], workdir=tmp_path / "w", pythonpath=str(repo), environ={})
     assert caught.value.returncode == 3
     assert (tmp_path / "w" / "mode").read_text() == "None"
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def test_image_requirements_are_the_gpu_install_set_of_pyproject(load_modal_run):
+    """What the image installs is what `pip install '.[gpu]'` installs: pyproject's list, nothing else."""
+    project = _pyproject()
+    expected = set(project["dependencies"]) | set(project["optional-dependencies"]["gpu"])
+    requirements = load_modal_run().image_requirements()
+    assert set(requirements) == expected and len(requirements) == len(expected)
+    assert any(r.startswith("vllm==") for r in requirements)
+    assert any(r.startswith("vllm-router") for r in requirements)
+    # PyPI only: no direct URLs, and no source-only package that needs torch to build.
+    assert not [r for r in requirements if "@" in r or "://" in r]
+    assert not [r for r in requirements if r.lower().startswith(("flash-attn", "flash_attn"))]
+
+
+def test_image_requirements_name_an_unknown_extra(load_modal_run, tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\ndependencies = ["a"]\n[project.optional-dependencies]\ngpu = ["b"]\n')
+    modal_run = load_modal_run()
+    assert modal_run.image_requirements(pyproject, ("gpu",)) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"\['cuda'\] are not in"):
+        modal_run.image_requirements(pyproject, ("cuda",))
+
+
+class RecordingImage:
+    """Stands in for ``modal.Image`` and records the builder calls; each is checked against Modal's
+    own signature, so the recording cannot drift from the real API."""
+
+    def __init__(self, calls: list | None = None):
+        self.calls = [] if calls is None else calls
+
+    @classmethod
+    def debian_slim(cls, *args, **kwargs):
+        image = cls()
+        return image._record("debian_slim", args, kwargs)
+
+    def _record(self, name, args, kwargs):
+        import inspect
+
+        signature = inspect.signature(getattr(modal.Image, name))
+        takes_self = next(iter(signature.parameters), None) == "self"  # debian_slim is static
+        signature.bind(*((None, *args) if takes_self else args), **kwargs)
+        self.calls.append((name, args, kwargs))
+        return self
+
+    def __getattr__(self, name):
+        if name.startswith("_") or not hasattr(modal.Image, name):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._record(name, args, kwargs)
+
+
+@pytest.mark.parametrize("wheel", [None, "https://example.org/flash_attn-2.8.3-cp312-linux_x86_64.whl"])
+def test_image_layers_install_pyproject_then_optional_flash_attn_then_the_repo(load_modal_run, wheel):
+    modal_run = load_modal_run()
+    image = modal_run.build_image(RecordingImage, flash_attn_wheel=wheel)
+    names = [name for name, _, _ in image.calls]
+    pip_layers = [args for name, args, _ in image.calls if name == "pip_install"]
+    assert pip_layers[0] == tuple(modal_run.image_requirements())
+    assert pip_layers[1:] == ([(wheel,)] if wheel else [])
+    assert names[-2:] == ["add_local_dir", "run_commands"]
+    assert names.index("pip_install") < names.index("add_local_dir")  # dependencies cached apart
+
+
+def test_flash_attn_layer_comes_from_the_environment_only(load_modal_run):
+    assert load_modal_run().FLASH_ATTN_WHEEL is None
+    url = "https://example.org/fa.whl"
+    assert load_modal_run(RLLM_SKYRL_MODAL_FLASH_ATTN_WHEEL=url).FLASH_ATTN_WHEEL == url

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import PAIRS, sft_batch, skyrl_batch, skyrl_config
+from helpers import PAIRS, hf_state, sft_batch, skyrl_batch, skyrl_config
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.engine import SkyRLEngine
@@ -67,11 +67,13 @@ def _server_vs_trainer(engine: SkyRLEngine, workers: SkyRLWorkers, tokenizer):
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_path):
+def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, tmp_path):
+    """On the tied tiny model: the harder case, where trainer and server could disagree on the head."""
+    model_dir = tied_tiny_model_dir
     workers = SkyRLWorkers(
-        skyrl_config(tiny_model_dir, tmp_path, **{"trainer.policy.optimizer_config.lr": 1e-2}), tiny_tokenizer
+        skyrl_config(model_dir, tmp_path, **{"trainer.policy.optimizer_config.lr": 1e-2}), tiny_tokenizer
     )
-    servers = start_cpu_servers(tiny_model_dir, 1, tmp_path / "servers", weights_root=tmp_path / "sync")
+    servers = start_cpu_servers(model_dir, 1, tmp_path / "servers", weights_root=tmp_path / "sync")
     engine = SkyRLEngine.from_urls(servers.urls, tiny_tokenizer, max_prompt_length=64, max_response_length=6)
     try:
         before, trainer_before = _server_vs_trainer(engine, workers, tiny_tokenizer)
@@ -87,6 +89,11 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().max() <= SAME_POLICY
+        # The trainer kept the tied embeddings tied through training.
+        exported = hf_state(str(tmp_path / "sync"))
+        embed = exported["model.embed_tokens.weight"]
+        assert not torch.equal(embed, hf_state(model_dir)["model.embed_tokens.weight"])
+        assert "lm_head.weight" not in exported or torch.equal(exported["lm_head.weight"], embed)
     finally:
         asyncio.run(engine.close())
         servers.stop()

@@ -1,0 +1,41 @@
+"""The only place that changes SkyRL at run time: named patch sets, applied where ``Platform`` says.
+
+| set | when (``Platform.compat_patches``) | module |
+|---|---|---|
+| ``flash_attn_stub`` | flash-attn not installed (always on CPU; on CUDA unless added) | ``flash_attn`` |
+| ``cpu`` | no CUDA | ``cpu`` |
+| ``tied_embeddings`` | always | ``tied_embeddings`` |
+
+The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
+``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
+driver puts into the runtime env: the decision is made once, by the driver, and no worker asks
+CUDA anything before Ray has assigned it its devices.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from rllm_skyrl.compat import cpu, flash_attn, tied_embeddings
+
+# Application order: the stub first, because the other sets import SkyRL's worker modules.
+PATCH_SETS = {"flash_attn_stub": flash_attn, "cpu": cpu, "tied_embeddings": tied_embeddings}
+SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
+ENV_VAR = "RLLM_SKYRL_COMPAT"
+
+
+def apply(names: Iterable[str]) -> None:
+    """Install the named patch sets in this process (each once), in ``PATCH_SETS`` order."""
+    wanted = set(names)
+    unknown = sorted(wanted - set(PATCH_SETS))
+    if unknown:
+        raise ValueError(f"unknown SkyRL patch set(s) {unknown}; known: {list(PATCH_SETS)}")
+    for name, module in PATCH_SETS.items():
+        if name in wanted:
+            module.apply()
+
+
+def apply_from_env() -> None:
+    """Ray's worker set-up hook: the patch sets the driver listed in ``RLLM_SKYRL_COMPAT``."""
+    apply(name for name in os.environ.get(ENV_VAR, "").split(",") if name)

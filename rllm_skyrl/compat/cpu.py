@@ -1,14 +1,14 @@
 """Everything SkyRL 0.4 needs to run its real FSDP workers on a machine without CUDA.
 
 SkyRL's workers assume CUDA in a handful of places (process-group backend, device
-meshes, ``torch.cuda.*`` device calls, a top-level ``flash_attn`` import). On CPU
-those are the only obstacles: the math is device-agnostic. This module is the one
-place that knows about them. ``apply()`` installs every patch, is idempotent, and
-does nothing when CUDA is available; it runs in the driver and, through Ray's
-``worker_process_setup_hook`` (see ``Platform.ray_runtime_env``), in every Ray worker.
+meshes, ``torch.cuda.*`` device calls). On CPU those are the only obstacles besides
+the missing flash-attn (``compat/flash_attn.py``): the math is device-agnostic. This
+module is the one place that knows about them. ``apply()`` installs every patch, is
+idempotent, and does nothing when CUDA is available; ``Platform`` decides that it runs
+(``rllm_skyrl.compat.apply``) in the driver and in every Ray worker.
 
 No patch changes numerics: each one only redirects a device choice ("cuda" to
-"cpu"), turns a CUDA-only synchronisation into a no-op, or supplies an import.
+"cpu") or turns a CUDA-only synchronisation into a no-op.
 Each ``Patch`` names the SkyRL source that needs it, so the tests can fail loudly
 when a SkyRL upgrade stops needing (or changes) one.
 """
@@ -16,22 +16,15 @@ when a SkyRL upgrade stops needing (or changes) one.
 from __future__ import annotations
 
 import functools
-import importlib.machinery
-import sys
-import types
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-SETUP_HOOK = "rllm_skyrl.compat.cpu.apply"
+from rllm_skyrl.compat.patch import Patch
 
-# SkyRL config values that must hold on CPU. `placement.*` colocation relies on
-# CUDA IPC and memory offload; `remove_microbatch_padding` packs sequences for
-# flash-attn varlen kernels; dataloader workers would fork Ray-initialised state.
+# SkyRL config values that must hold on CPU (flash-attn's are in compat/flash_attn.py).
+# `placement.*` colocation relies on CUDA IPC and memory offload; dataloader workers
+# would fork Ray-initialised state.
 CPU_CONFIG_OVERRIDES: dict[str, object] = {
-    "trainer.flash_attn": False,
-    "trainer.remove_microbatch_padding": False,
     "trainer.placement.colocate_all": False,
     "trainer.placement.colocate_policy_ref": False,
     "trainer.use_expandable_segments": False,
@@ -39,51 +32,11 @@ CPU_CONFIG_OVERRIDES: dict[str, object] = {
 }
 
 
-@dataclass(frozen=True)
-class Patch:
-    """One CUDA assumption in SkyRL and how we neutralise it on CPU."""
-
-    name: str
-    needed_by: tuple[str, str, str]  # (module, qualified attribute, source text that shows the need)
-    install: Callable[[], None]
-
-
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
 # --- the patches ---------------------------------------------------------------------------
-
-
-def _flash_attn_stub() -> None:
-    """Provide ``flash_attn.bert_padding`` so SkyRL's model wrapper imports.
-
-    Its helpers are only called with ``remove_microbatch_padding=True``, which
-    CPU_CONFIG_OVERRIDES turns off; calling one anyway raises with the fix.
-    ``flash_attn.ops`` stays absent, so SkyRL's optional fused cross-entropy
-    import keeps falling back to its torch implementation.
-    """
-    if "flash_attn" in sys.modules:
-        return
-
-    def unavailable(*_args, **_kwargs):
-        raise RuntimeError(
-            "flash-attn is not available on this machine; set trainer.remove_microbatch_padding=false "
-            "(rllm_skyrl does this automatically on CPU)."
-        )
-
-    package = types.ModuleType("flash_attn")
-    package.__path__ = []
-    # A spec without an origin keeps importlib.util.find_spec working while transformers'
-    # availability check (it reads the distribution metadata) still reports flash-attn absent.
-    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
-    bert_padding = types.ModuleType("flash_attn.bert_padding")
-    bert_padding.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
-    bert_padding.pad_input = unavailable
-    bert_padding.unpad_input = unavailable
-    package.bert_padding = bert_padding
-    sys.modules["flash_attn"] = package
-    sys.modules["flash_attn.bert_padding"] = bert_padding
 
 
 def _gloo_process_group() -> None:
@@ -171,11 +124,6 @@ _U = "skyrl.backends.skyrl_train.distributed.fsdp_utils"
 _S = "skyrl.backends.skyrl_train.distributed.fsdp_strategy"
 
 PATCHES: tuple[Patch, ...] = (
-    Patch(
-        "flash_attn_stub",
-        ("skyrl.backends.skyrl_train.workers.model_wrapper", "", "from flash_attn.bert_padding import"),
-        _flash_attn_stub,
-    ),
     Patch("gloo_process_group", (_W, "Worker.init_worker_process_group", "cuda:nccl"), _gloo_process_group),
     Patch("cpu_device_mesh", (_U, "create_device_mesh", 'init_device_mesh("cuda"'), _cpu_device_mesh),
     Patch(
@@ -205,7 +153,6 @@ def apply() -> None:
     global _applied
     if _applied or cuda_available():
         return
-    # The flash-attn stub must precede any import of SkyRL's worker modules.
     for patch in PATCHES:
         patch.install()
     _applied = True

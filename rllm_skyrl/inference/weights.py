@@ -166,9 +166,9 @@ def _untie_diverged(
 ) -> None:
     """Give tied tensors their own storage when the trainer sent them with different values.
 
-    SkyRL's FSDP workers shard ``lm_head`` and ``embed_tokens`` as separate parameters, so a
-    model whose config ties them trains them apart; serving them tied would sample from a
-    policy the trainer never had (the trainer-vs-rollout logprob gap grows every step).
+    This package's trainer keeps them tied (``compat/tied_embeddings.py``), but a checkpoint from
+    a trainer that trained ``lm_head`` and ``embed_tokens`` apart (SkyRL's FSDP set-up unpatched)
+    would otherwise be served as a policy the trainer never had.
     """
     current = model.state_dict()
     for keys in groups:

@@ -68,6 +68,8 @@ BRIDGE: tuple[Pair, ...] = (
     Pair("rllm.algorithm.lr_schedule", "trainer.critic.optimizer_config.scheduler", _scheduler),
     Pair("rllm.algorithm.warmup_steps", "trainer.policy.optimizer_config.num_warmup_steps"),
     Pair("rllm.algorithm.warmup_steps", "trainer.critic.optimizer_config.num_warmup_steps"),
+    # The backend's own key: how many servers to start, SkyRL's vLLM servers included.
+    Pair("inference.num_engines", "generator.inference_engine.num_engines"),
 )
 
 

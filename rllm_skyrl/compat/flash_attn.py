@@ -1,0 +1,84 @@
+"""An import stub for ``flash_attn.bert_padding``, installed wherever flash-attn is not.
+
+SkyRL's model wrapper imports ``flash_attn.bert_padding`` at module level, whatever
+``trainer.flash_attn`` says, so its FSDP workers cannot even be imported without flash-attn. PyPI
+has no flash-attn wheels (only a source distribution that compiles against the installed torch),
+so a CPU machine never has it and a CUDA machine only has it when the user added it. Without it
+SkyRL runs with sdpa attention (``trainer.flash_attn=false``) and unpadded micro-batches off
+(``trainer.remove_microbatch_padding=false``, the only user of the stubbed helpers);
+``Platform.skyrl_overrides`` sets both, this module only makes the import succeed.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+from rllm_skyrl.compat.patch import Patch
+
+# SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
+# (varlen-packed) micro-batches, which SkyRL only implements with flash-attn's kernels.
+CONFIG_OVERRIDES: dict[str, object] = {
+    "trainer.flash_attn": False,
+    "trainer.remove_microbatch_padding": False,
+}
+
+
+def available() -> bool:
+    """Whether the real flash-attn is installed (the stub, having no file, does not count)."""
+    module = sys.modules.get("flash_attn")
+    if module is not None:
+        return getattr(module, "__file__", None) is not None
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin is not None
+
+
+def _unavailable(*_args, **_kwargs):
+    raise RuntimeError(
+        "flash-attn is not installed; set trainer.remove_microbatch_padding=false "
+        "(rllm_skyrl does this automatically when flash-attn is missing)."
+    )
+
+
+def _install_stub() -> None:
+    """Put ``flash_attn`` and ``flash_attn.bert_padding`` into ``sys.modules``.
+
+    ``flash_attn.ops`` stays absent, so SkyRL's optional fused cross-entropy import keeps falling
+    back to its torch implementation. A spec without an origin keeps ``importlib.util.find_spec``
+    working while transformers' availability check (it reads the distribution metadata) still
+    reports flash-attn absent, so nothing selects flash-attention kernels by accident.
+    """
+    if "flash_attn" in sys.modules or available():
+        return
+    package = types.ModuleType("flash_attn")
+    package.__path__ = []
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
+    bert_padding = types.ModuleType("flash_attn.bert_padding")
+    bert_padding.__spec__ = importlib.machinery.ModuleSpec("flash_attn.bert_padding", None)
+    bert_padding.pad_input = _unavailable
+    bert_padding.unpad_input = _unavailable
+    package.bert_padding = bert_padding
+    sys.modules["flash_attn"] = package
+    sys.modules["flash_attn.bert_padding"] = bert_padding
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "flash_attn_stub",
+        ("skyrl.backends.skyrl_train.workers.model_wrapper", "", "from flash_attn.bert_padding import"),
+        _install_stub,
+    ),
+)
+
+
+def apply() -> None:
+    """Install the stub unless the real flash-attn is importable; idempotent."""
+    for patch in PATCHES:
+        patch.install()
+
+
+def is_stubbed() -> bool:
+    module = sys.modules.get("flash_attn")
+    return module is not None and getattr(module, "__file__", None) is None
