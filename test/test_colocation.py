@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import ray
-from test_workers_cpu import FP32, PAIRS, sft_batch
+from helpers import FP32, PAIRS, sft_batch
 
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import make_skyrl_config

@@ -276,10 +276,18 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     pg = SimpleNamespace(pg="raw-pg")
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
     monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
+
+    class Servers:
+        def wait_ready(self):
+            events.append("servers ready")
+
+        def stop(self):
+            events.append("servers stopped")
+
     monkeypatch.setattr(
         runtime_module,
         "start_servers",
-        lambda run, tok, placement_group=None: events.append(("servers", placement_group)) or "servers",
+        lambda run, tok, placement_group=None: events.append(("servers", placement_group)) or Servers(),
     )
 
     class Workers:
@@ -295,6 +303,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     run = SimpleNamespace(
         platform=Platform(cuda=True),
         skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
+        inference=SimpleNamespace(urls=None),
         log_dir=Path("logs"),
         roles=("policy",),
         optimizer_steps=1,
@@ -302,7 +311,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     )
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     if colocated:
-        assert events == ["pg", ("servers", pg), ("workers", pg)]
+        assert events == ["pg", ("servers", pg), ("workers", pg), "servers ready"]
         assert runtime.placement_group is pg
     else:
-        assert events == [("workers", None), ("servers", None)]
+        assert events == [("workers", None), ("servers", None), "servers ready"]
