@@ -15,9 +15,11 @@ from rllm_skyrl.servers import start_cpu_servers
 from rllm_skyrl.workers import SkyRLWorkers
 
 
-def test_sync_method_follows_the_device():
-    assert Platform(cuda=True).weight_sync_method == "skyrl"
-    assert Platform(cuda=False).weight_sync_method == "disk"
+def test_sync_method_follows_the_device_and_lora():
+    assert Platform(cuda=True).weight_sync_method() == "skyrl"
+    assert Platform(cuda=True).weight_sync_method(lora=True) == "skyrl"  # SkyRL's own adapter sync
+    assert Platform(cuda=False).weight_sync_method() == "disk"
+    assert Platform(cuda=False).weight_sync_method(lora=True) == "lora"
 
 
 def test_cuda_path_calls_skyrls_transfer(tmp_path):
@@ -34,7 +36,7 @@ def test_cuda_path_calls_skyrls_transfer(tmp_path):
         def save_hf_model(self, *args):
             raise AssertionError("the CUDA path must not save HF weights")
 
-    method = Platform(cuda=True).weight_sync_method
+    method = Platform(cuda=True).weight_sync_method()
     weight_sync.prepare(method, Workers(), "client")
     asyncio.run(weight_sync.sync_weights(method, Workers(), None, tmp_path, version=3))
     assert calls == [("connect_inference", "client"), "save_weights_for_sampler"]
@@ -90,7 +92,7 @@ def test_trained_weights_reach_the_server(tiny_model_dir, tiny_tokenizer, tmp_pa
             workers.optim_step("policy")
         stale, trainer_now = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (stale - trainer_now).abs().mean() > 1e-2, "the update should have moved the policy"
-        method = Platform.detect().weight_sync_method
+        method = Platform.detect().weight_sync_method()
         assert method == "disk"
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
