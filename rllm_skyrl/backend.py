@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from rllm_skyrl import advantages as adv
 from rllm_skyrl.batch_layout import stack_rows
-from rllm_skyrl.checkpoint import CheckpointManager, failure_report
+from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, failure_report
 from rllm_skyrl.compat import rllm
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.metrics import StepMetrics
@@ -73,6 +73,8 @@ class SkyRLBackend:
         self.metrics = StepMetrics()
         self._algorithm_config: Any = None
         self._update: PolicyUpdate | None = None
+        self._lock: CheckpointLock | None = None
+        self._resume_from = None
         self._updated = False
         self._last_trained_step: int | None = None
         self.resumed_step: int | None = None  # the checkpointed step on_train_start resumed from
@@ -94,17 +96,27 @@ class SkyRLBackend:
         self._algorithm_config = kwargs.get("algorithm_config")
         run = self.run.for_total_steps(kwargs.get("total_training_steps") or 1)
         self.run = run.with_algorithm_config(self._algorithm_config)
+        resume = self.run.checkpoint
+        # Before anything expensive: this run owns its checkpoint directory, and what it would
+        # resume from is readable.
+        self._lock = CheckpointLock(resume.root).acquire()
+        self.checkpoints = CheckpointManager(
+            resume.root, None, resume.max_to_keep, roles=self.run.trained_roles
+        )
+        try:
+            self._resume_from = self.checkpoints.validate(resume.resume_mode, resume.resume_from_path)
+        except BaseException:
+            self._lock.release()
+            raise
         try:  # a failure part-way must not leave Ray, workers or servers behind
             self.runtime = Runtime.start(self.run)
             SkyRLBackend._running.add(self)
+            self.checkpoints.workers = self.runtime.workers
             self.tokenizer = self.runtime.tokenizer
             for role in self.run.trained_roles:  # model ids are the role names
                 self.runtime.models.create_model(role, model_role=role)
             self.rollout_engine = SkyRLEngine.for_servers(self.runtime.servers, self.tokenizer, self.run)
             self.runtime.connect_weight_sync(self.rollout_engine.client)
-            self.checkpoints = CheckpointManager(
-                self.run.checkpoint.root, self.runtime.workers, self.run.checkpoint.max_to_keep
-            )
             self._update = PolicyUpdate(
                 self.run, self.runtime.models, self.runtime.workers.dp_size("policy"), self.metrics
             )
@@ -123,12 +135,14 @@ class SkyRLBackend:
         Rows may be dicts or rLLM ``Task`` objects; a row's ``data_source`` names its validation
         metrics (``val/<data_source>/pass@k``), as with rLLM's verl backend.
         """
+        self.runtime.servers.check_alive()
         n = self.run.rollout_n_val if is_validation else self.run.rollout_n
         tasks, task_ids = rllm.task_ids(batch, n)
         with self.metrics.timed("generate") if not is_validation else nullcontext():
             episodes = await agent_workflow_engine.execute_tasks(
                 tasks, task_ids, is_validation=is_validation, **kwargs
             )
+        self.runtime.servers.check_alive()  # a server that died mid-rollout failed those rollouts
         for episode, task in zip(episodes, tasks, strict=True):
             source = rllm.task_field(task, "data_source")
             if source is not None and episode is not None:
@@ -244,7 +258,9 @@ class SkyRLBackend:
         pass
 
     async def on_batch_start(self, trainer_state: Any) -> None:
-        pass  # in fully-async mode this runs once per chunk: the step's state resets in on_batch_end
+        # In fully-async mode this runs once per chunk: the step's state resets in on_batch_end.
+        if self.runtime is not None:
+            self.runtime.mark_first_step()
 
     async def on_batch_end(self, trainer_state: Any) -> None:
         """Weight sync after an update (on-policy mode), a checkpoint every ``save_freq`` steps, and
@@ -264,18 +280,9 @@ class SkyRLBackend:
             if save_freq > 0 and step % save_freq == 0:
                 with self.metrics.timed("save_checkpoint"):
                     await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
-        metrics = self.metrics.publish()
-        for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
-            metrics.setdefault(f"time/{name}", seconds)
-        if "time/generate" in metrics and "perf/rollout_tokens" in metrics:
-            metrics["perf/rollout_tokens_per_s"] = metrics["perf/rollout_tokens"] / max(
-                metrics["time/generate"], 1e-9
-            )
-        total = getattr(trainer_state, "total_steps", 0) or 0
-        metrics |= {"progress/batch": step, "progress/epoch": getattr(trainer_state, "epoch", 0)}
-        if total > 0:
-            metrics["progress/done_frac"] = step / total
-        trainer_state.metrics.update(metrics)
+        trainer_state.metrics.update(self.metrics.publish_step(trainer_state))
+        if self.runtime is not None:
+            trainer_state.metrics.update(self.runtime.startup_metrics())  # once, on the first step
         self.metrics.clear()
         self._updated = False
 
@@ -325,8 +332,13 @@ class SkyRLBackend:
         """Stop servers, workers and Ray (if this run started it); safe to call twice."""
         runtime, self.runtime = self.runtime, None
         SkyRLBackend._running.discard(self)
-        if runtime is not None:
-            runtime.shutdown()
+        try:
+            if runtime is not None:
+                runtime.shutdown()
+        finally:
+            lock, self._lock = getattr(self, "_lock", None), None
+            if lock is not None:
+                lock.release()
 
 
 class _EmptyBatch:

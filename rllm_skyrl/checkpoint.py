@@ -17,22 +17,35 @@ one) moves the old directory aside first and deletes it only once the new one is
 Resume modes (``training.resume_mode``): ``auto`` continues from ``latest`` if there is one,
 ``disable`` starts from step 1 whatever is on disk, ``resume_path`` loads
 ``training.resume_from_path`` (a ``global_step_N`` directory, or a root holding ``latest``).
+
+One run per directory: ``CheckpointLock`` holds ``<root>/.lock`` for a run's lifetime; a second run
+on the same root fails at once, naming the process that holds it. What a resume will load (the
+pointer, ``trainer_state.json``, the role directories) is checked before any worker starts
+(``validate``), with errors naming the file. SkyRL's workers unpickle their checkpoint files
+(``torch.load(weights_only=False)``), so a checkpoint others may write is refused.
 """
 
 from __future__ import annotations
 
 import ast
+import errno
+import fcntl
 import json
 import logging
 import os
 import random
+import re
 import shutil
+import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from rllm_skyrl.errors import UserFacingError
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +53,78 @@ STEP_PREFIX = "global_step_"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 RESUME_MODES = ("auto", "disable", "resume_path")
+LOCK_FILE = ".lock"
 _TMP = f".tmp_{STEP_PREFIX}"
 _OLD = f".old_{STEP_PREFIX}"
+_POINTER = re.compile(rf"{STEP_PREFIX}(\d+)")
+_SCRATCH = re.compile(rf"\.(?:tmp|old)_{STEP_PREFIX}\d+_(\d+)")
+_STATE_KEYS = {"global_step": int, "rng": dict, "roles": list}
+
+
+class CheckpointError(UserFacingError):
+    """A checkpoint that cannot be resumed from; the message names the file and what to do."""
+
+
+class CheckpointLock:
+    """An exclusive lock on a checkpoint root for one run (released when the process ends)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self._file = None
+
+    def acquire(self) -> CheckpointLock:
+        self.root.mkdir(parents=True, exist_ok=True)
+        handle = open(self.root / LOCK_FILE, "a+")  # noqa: SIM115 (held for the run's lifetime)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise CheckpointError(
+                f"checkpoint directory {self.root} is in use by another run (PID {holder}); wait for it, "
+                "or give this run its own training.default_local_dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._file = handle
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _refuse_foreign_writers(path: Path) -> None:
+    """SkyRL's resume unpickles these files: refuse ones another user owns or others may write."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointError(
+            f"{path} is owned by another user or writable by others, and resuming unpickles what it "
+            "holds (code execution); fix its owner and mode (chmod go-w) or resume from a copy you own"
+        )
+
+
+# Crash tests' seam: called with (step, temporary directory) once a save has written and flushed
+# every part and before it publishes them, so a test can kill the run at exactly that point.
+# None in every real run.
+before_publish: Callable[[int, Path], None] | None = None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -98,21 +181,25 @@ def _step_of(path: Path) -> int | None:
 class CheckpointManager:
     """Saves and restores the workers' state plus the driver's position in the data."""
 
-    def __init__(self, root: str | Path, workers: Any, max_to_keep: int = -1):
+    def __init__(
+        self, root: str | Path, workers: Any, max_to_keep: int = -1, roles: tuple[str, ...] | None = None
+    ):
         if "://" in str(root):
             raise ValueError(
                 f"checkpoint directory {root!r}: atomic checkpoints need a local or shared filesystem "
                 "(rename is not atomic on object stores); set training.default_local_dir to a path"
             )
         self.root = Path(root)
-        self.workers = workers
+        self.workers = workers  # may be set after construction: validate() needs none
         self.max_to_keep = max_to_keep
+        self._roles = roles
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}{step}"
 
     def _saved_roles(self) -> list[str]:
-        return [role for role in self.workers.roles if role != "ref"]  # the reference never changes
+        roles = self._roles if self._roles is not None else self.workers.roles
+        return [role for role in roles if role != "ref"]  # the reference never changes
 
     def latest_step(self) -> int | None:
         """The step ``latest`` names, or None when nothing was saved yet."""
@@ -120,10 +207,15 @@ class CheckpointManager:
         if not pointer.exists():
             return None
         name = pointer.read_text().strip()
+        if not _POINTER.fullmatch(name):
+            raise CheckpointError(
+                f"{pointer} holds {name[:80]!r}, not '{STEP_PREFIX}<N>'; point it at a complete "
+                f"{STEP_PREFIX}N directory, or delete it to start over"
+            )
         if not (self.root / name / STATE_FILE).exists():
             self._recover_moved_aside(name)
         if not (self.root / name / STATE_FILE).exists():
-            raise RuntimeError(
+            raise CheckpointError(
                 f"{pointer} names {name!r}, which is not a complete checkpoint; point it at a complete "
                 f"{STEP_PREFIX}N directory, or delete it to start over"
             )
@@ -141,8 +233,7 @@ class CheckpointManager:
         """Write ``global_step_<step>`` atomically and point ``latest`` at it."""
         start = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(f"{_TMP}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        self._remove_scratch(f"{_TMP}*")
         final = self.step_dir(step)
         tmp = self.root / f"{_TMP}{step}_{os.getpid()}"
         tmp.mkdir()
@@ -162,6 +253,8 @@ class CheckpointManager:
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
         _fsync_tree(tmp)
+        if before_publish is not None:
+            before_publish(step, tmp)
         old = None
         if final.exists():  # re-saving a step (after resuming from an older one): replace it whole
             old = self.root / f"{_OLD}{step}_{os.getpid()}"
@@ -181,13 +274,20 @@ class CheckpointManager:
         Checkpoints of later steps (left by a run this one resumed from an earlier point of) are
         not counted or touched; they are replaced as this run reaches those steps.
         """
-        for old in self.root.glob(f"{_OLD}*"):
-            shutil.rmtree(old, ignore_errors=True)
+        self._remove_scratch(f"{_OLD}*")
         if self.max_to_keep <= 0:
             return
         steps = sorted(s for p in self.root.iterdir() if (s := _step_of(p)) is not None and s <= current)
         for old_step in steps[: -self.max_to_keep]:
             shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+
+    def _remove_scratch(self, pattern: str) -> None:
+        """This process's leftover temporary directories, and those of processes no longer alive;
+        never another live process's (a save in progress)."""
+        for path in self.root.glob(pattern):
+            match = _SCRATCH.fullmatch(path.name)
+            if match and (int(match.group(1)) == os.getpid() or not _pid_alive(int(match.group(1)))):
+                shutil.rmtree(path, ignore_errors=True)
 
     def resolve(self, mode: str, path: str | None) -> Path | None:
         """The checkpoint directory a resume in ``mode`` loads, or None to start from step 1."""
@@ -196,7 +296,7 @@ class CheckpointManager:
         if mode == "disable":
             try:
                 latest = self.latest_step()
-            except RuntimeError:  # a broken pointer does not matter to a run that ignores it
+            except CheckpointError:  # a broken pointer does not matter to a run that ignores it
                 latest = None
             if latest is not None:
                 logger.warning(
@@ -221,17 +321,56 @@ class CheckpointManager:
         step = self.latest_step()
         return None if step is None else self.step_dir(step)
 
-    def resume(self, mode: str, path: str | None, trainer_state: Any) -> int | None:
-        """Restore workers, step counter, data position and RNG; returns the step resumed from."""
+    def validate(self, mode: str, path: str | None) -> Path | None:
+        """What ``resume`` will load, checked without loading it (no worker needed): the pointer, the
+        state file's content, the role directories, who may write them. None: start from step 1."""
         directory = self.resolve(mode, path)
         if directory is None:
             return None
-        state = json.loads((directory / STATE_FILE).read_text())
+        state_file = directory / STATE_FILE
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointError(
+                f"{state_file} is unreadable ({type(error).__name__}: {error}); resume from an earlier "
+                f"{STEP_PREFIX}N directory (training.resume_mode=resume_path) or start over (disable)"
+            ) from None
+        problems = [
+            f"'{key}' is missing or not a {kind.__name__}"
+            for key, kind in _STATE_KEYS.items()
+            if not isinstance(state.get(key) if isinstance(state, dict) else None, kind)
+        ]
+        if not problems and not {"python", "numpy", "torch"} <= set(state["rng"]):
+            problems.append("'rng' lacks python/numpy/torch states")
+        if problems:
+            raise CheckpointError(
+                f"{state_file}: {'; '.join(problems)}; it was not written by a complete save"
+            )
         missing = [role for role in self._saved_roles() if not (directory / role).is_dir()]
         if missing:
-            raise FileNotFoundError(
+            raise CheckpointError(
                 f"{directory} has no {'/'.join(missing)} checkpoint (saved roles: {state.get('roles')}); "
                 "was it made with a different algorithm (e.g. without a critic)?"
+            )
+        for checked in [directory, *(directory / role for role in self._saved_roles())]:
+            _refuse_foreign_writers(checked)
+            for child in checked.iterdir():
+                _refuse_foreign_writers(child)
+        return directory
+
+    def resume(self, mode: str, path: str | None, trainer_state: Any) -> int | None:
+        """Restore workers, step counter, data position and RNG; returns the step resumed from."""
+        directory = self.validate(mode, path)
+        if directory is None:
+            return None
+        state = json.loads((directory / STATE_FILE).read_text())
+        if mode == "auto":
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(state.get("saved_at", 0)))
+            logger.warning(
+                "resuming from %s (step %d, saved %s); pass training.resume_mode=disable to start over",
+                directory,
+                state["global_step"],
+                saved,
             )
         start = time.perf_counter()
         for role in self._saved_roles():
@@ -255,9 +394,12 @@ def failure_report(error: BaseException | None, step: int, checkpoints: Checkpoi
     cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     if isinstance(error, ray.exceptions.RayActorError):
         cause = f"a SkyRL training worker died ({cause})"
+    elif "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
+        where = checkpoints.root if checkpoints is not None else "the checkpoint directory"
+        cause = f"the disk holding {where} is full ({cause}); free space first"
     try:
         latest = checkpoints.latest_step() if checkpoints is not None else None
-    except RuntimeError:
+    except CheckpointError:
         latest = None
     if latest is None:
         where = "no checkpoint was saved, so a rerun starts from step 1"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm_skyrl.compat import rllm
+from rllm_skyrl.request_batching import SampleBatcher
 from rllm_skyrl.rollout_ledger import RolloutLedger
 from rllm_skyrl.types import ModelOutput
 
@@ -135,6 +136,7 @@ class SkyRLEngine:
         self.is_validation = False
         self.weight_version = 0
         self.ledger = RolloutLedger()
+        self.batcher = SampleBatcher(model)
         self._chat_parser: Any = None
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
@@ -284,18 +286,26 @@ class SkyRLEngine:
             if params.get("min_tokens"):
                 still_needed = params["min_tokens"] - len(tokens)
                 step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
-            out = await client.generate(
-                {
-                    "prompt_token_ids": [prompt + tokens],
-                    "sampling_params": step_params,
-                    "session_ids": [session_id] if session_id is not None else None,
-                },
-                model=self.model,
-            )
-            tokens.extend(out["response_ids"][0])
+            batched = None if tokens else await self.batcher.sample(client, prompt, step_params)
+            if batched is not None:  # sampled together with the same prompt's other rollouts
+                new_tokens, new_logprobs, reason = batched
+            else:
+                out = await client.generate(
+                    {
+                        "prompt_token_ids": [prompt + tokens],
+                        "sampling_params": step_params,
+                        "session_ids": [session_id] if session_id is not None else None,
+                    },
+                    model=self.model,
+                )
+                new_tokens, new_logprobs, reason = (
+                    out["response_ids"][0],
+                    out["response_logprobs"][0] if out["response_logprobs"] else None,
+                    out["stop_reasons"][0],
+                )
+            tokens.extend(new_tokens)
             if logprobs is not None:
-                logprobs.extend(out["response_logprobs"][0] or [])
-            reason = out["stop_reasons"][0]
+                logprobs.extend(new_logprobs or [])
             if reason != "abort" or len(tokens) >= budget:
                 break
         if reason == "abort":  # the loop only stops on an abort once the budget is spent

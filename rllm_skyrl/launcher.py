@@ -6,17 +6,92 @@ config belongs to ``run_config``. This module only wires a Hydra app to the trai
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.run_config.tree import hydra_cli_overrides
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["finish_run", "hydra_cli_overrides", "main", "plan", "print_summary", "quiet_libraries", "run"]
+__all__ = [
+    "clean_stop",
+    "finish_run",
+    "hydra_cli_overrides",
+    "main",
+    "one_line_errors",
+    "plan",
+    "print_summary",
+    "quiet_libraries",
+    "run",
+]
+
+
+@contextmanager
+def one_line_errors(always: bool = False) -> Iterator[None]:
+    """On the command line (a Hydra app, or ``always``), a setting or file the user must fix is one
+    line on stderr and exit code 2, not a traceback; library callers get the exception."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        yield
+    except UserFacingError as error:
+        if not (always or HydraConfig.initialized()):
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so the same clean-up runs."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def clean_stop(always: bool = False) -> Iterator[None]:
+    """A run stopped by Ctrl-C or SIGTERM shuts down what it started and exits within seconds.
+
+    Python's default SIGTERM ends the process without running ``finally`` blocks: Ray's daemons
+    follow their parent, but its agents outlive the run by half a minute. With this, SIGTERM
+    unwinds like Ctrl-C (servers, workers and Ray stopped; the log says which checkpoint a rerun
+    continues from). On the command line (a Hydra app, or ``always``) the stop is one line and exit
+    code 130 (Ctrl-C) or 143 (SIGTERM), and the objects still alive are frozen at exit: the
+    interpreter's last garbage collection would otherwise walk everything torch, Ray and
+    transformers loaded, which takes 5 s on two busy cores.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    handler_set = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    )
+    if handler_set:
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    command_line = always or HydraConfig.initialized()
+    if command_line:
+        atexit.register(gc.freeze)
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        if not command_line:
+            raise
+        terminated = isinstance(stop, Terminated)
+        print(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}", file=sys.stderr, flush=True)
+        raise SystemExit(143 if terminated else 130) from None
+    finally:
+        if handler_set:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def quiet_libraries(level: str | None = None) -> None:
@@ -57,26 +132,30 @@ def run(
     """
     from rllm_skyrl.backend import SkyRLBackend
     from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.secret_masking import mask_process_output
     from rllm_skyrl.standalone import UnifiedTrainer
 
+    mask_process_output()
     quiet_libraries()
-    try:
-        trainer = UnifiedTrainer(
-            backend_cls=SkyRLBackend,
-            config=cfg,
-            workflow_class=_import(workflow_class),
-            workflow_args=workflow_args,
-            train_dataset=train_dataset,
-            val_dataset=val_dataset,
-            backend_args={"cli_overrides": hydra_cli_overrides()},
-        )
-    except BaseException:  # the backend may have started Ray, workers and servers already
-        SkyRLBackend.shutdown_all()
-        raise
-    try:
-        trainer.fit()
-    finally:
-        trainer.shutdown()
+    with clean_stop():
+        try:
+            with one_line_errors():
+                trainer = UnifiedTrainer(
+                    backend_cls=SkyRLBackend,
+                    config=cfg,
+                    workflow_class=_import(workflow_class),
+                    workflow_args=workflow_args,
+                    train_dataset=train_dataset,
+                    val_dataset=val_dataset,
+                    backend_args={"cli_overrides": hydra_cli_overrides()},
+                )
+        except BaseException:  # the backend may have started Ray, workers and servers already
+            SkyRLBackend.shutdown_all()
+            raise
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
     run_dir = Path(trainer.tracking.run_dir)
     print_summary(run_dir, read_metrics(run_dir))
     return run_dir
@@ -120,10 +199,11 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
     """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing."""
     from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.errors import HydraException
     from skyrl.train.config.config import get_config_as_yaml_str
 
     from rllm_skyrl.platform import Platform
-    from rllm_skyrl.run_config import resolve_run_config
+    from rllm_skyrl.run_config import ConfigError, resolve_run_config
 
     init = (
         initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None)
@@ -131,7 +211,10 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
         else initialize_config_module(config_module="rllm_skyrl.config", version_base=None)
     )
     with init:
-        cfg = compose(config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name, overrides=overrides)
+        except HydraException as error:  # an unknown key or group: the user's to fix
+            raise ConfigError(str(error).strip().replace("\n", " ")) from None
     run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
     placement = run.skyrl.trainer.placement
     roles = [
@@ -172,8 +255,12 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     args = parser.parse_args(argv)
+    from rllm_skyrl.secret_masking import mask_process_output
+
+    mask_process_output()
     if args.command == "plan":
-        print(plan(args.overrides, args.config_name, args.config_dir))
+        with one_line_errors(always=True):
+            print(plan(args.overrides, args.config_name, args.config_dir))
 
 
 if __name__ == "__main__":

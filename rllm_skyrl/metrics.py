@@ -137,5 +137,22 @@ class StepMetrics:
                 out[key] = sum(values) / len(values)
         return out
 
+    def publish_step(self, trainer_state: Any) -> dict[str, float]:
+        """The step's metrics as rLLM's tinker backend reports them: everything gathered, plus
+        ``time/<name>`` for each of the trainer's timers, ``progress/*`` and rollout tokens/s."""
+        metrics = self.publish()
+        for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
+            metrics.setdefault(f"time/{name}", seconds)
+        if "time/generate" in metrics and "perf/rollout_tokens" in metrics:
+            metrics["perf/rollout_tokens_per_s"] = metrics["perf/rollout_tokens"] / max(
+                metrics["time/generate"], 1e-9
+            )
+        step = trainer_state.global_step
+        metrics |= {"progress/batch": step, "progress/epoch": getattr(trainer_state, "epoch", 0)}
+        total = getattr(trainer_state, "total_steps", 0) or 0
+        if total > 0:
+            metrics["progress/done_frac"] = step / total
+        return metrics
+
     def clear(self) -> None:
         self._samples.clear()

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 
 from rllm_skyrl import weight_sync
@@ -69,7 +74,9 @@ def start_ray(
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
     else:
+        _require_ray_token()
         ray.init(
+            _node_ip_address="127.0.0.1",
             runtime_env=runtime_env,
             log_to_driver=False,
             include_dashboard=False,
@@ -80,6 +87,21 @@ def start_ray(
 
     sync_registries()
     return True
+
+
+def _require_ray_token() -> None:
+    """Make the local Ray we start refuse every client without this run's token.
+
+    Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
+    loopback; with Ray's token authentication they refuse anyone without the token, and the
+    Prometheus exporter (the one unauthenticated listener) is not started. Ray reads these settings
+    once, when it is imported, hence the re-read. Workers inherit the token from the raylet.
+    """
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
+    os.environ["RAY_enable_metrics_collection"] = "0"
+    ray._raylet.Config.initialize("")
+    ray._raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def load_tokenizer(model_path: str):
@@ -105,35 +127,77 @@ class Runtime:
         self.workers: SkyRLWorkers | None = None
         self.models: ModelRegistry | None = None
         self.servers: ServerGroup | None = None
-        self.sync_dir = Path(run.checkpoint.root) / "sync"
+        self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
+        self._first_step_at: float | None = None
+        self._startup_reported = False
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
-        """Ray, then the workers of ``run.roles``, then (``serve``) the inference servers.
+        """Ray, the workers of ``run.roles`` and (``serve``) the inference servers.
 
-        A failure part-way stops whatever had started before re-raising.
+        This package's CPU servers are separate processes that need no Ray: they are launched first
+        and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
+        and start after Ray. A failure part-way stops whatever had started before re-raising.
         """
+        started = time.perf_counter()
         runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
+        phase = runtime._phase
         try:
-            runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
-            runtime.workers = SkyRLWorkers(
-                run.skyrl,
-                runtime.tokenizer,
-                total_training_steps=run.optimizer_steps,
-                roles=run.roles,
-                platform=run.platform,
-            )
+            if serve and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
+                with phase("servers_launch"):
+                    runtime.servers = start_servers(run, runtime.tokenizer)
+            with phase("ray"):
+                runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+            with phase("workers"):
+                runtime.workers = SkyRLWorkers(
+                    run.skyrl,
+                    runtime.tokenizer,
+                    total_training_steps=run.optimizer_steps,
+                    roles=run.roles,
+                    platform=run.platform,
+                )
             runtime.models = ModelRegistry(runtime.workers)
             if serve:
-                runtime.servers = start_servers(run, runtime.tokenizer)
+                with phase("servers_ready"):
+                    if runtime.servers is None:
+                        runtime.servers = start_servers(run, runtime.tokenizer)
+                    runtime.servers.wait_ready()
         except BaseException:
             runtime.shutdown()
             raise
+        runtime.startup_seconds["total"] = time.perf_counter() - started
+        logger.info(
+            "runtime up in %.1f s (%s)",
+            runtime.startup_seconds["total"],
+            ", ".join(f"{name} {seconds:.1f} s" for name, seconds in runtime.startup_seconds.items()),
+        )
         return runtime
 
     @property
     def weight_sync_method(self) -> str:
         return self.run.platform.weight_sync_method(lora=self.run.lora.enabled)
+
+    def mark_first_step(self) -> None:
+        if self._first_step_at is None:
+            self._first_step_at = time.time()
+
+    def startup_metrics(self) -> dict[str, float]:
+        """``time/startup/*`` once, after the first step: each part of the bring-up, and the whole
+        way from process start to the first step (imports and config included)."""
+        if self._startup_reported or self._first_step_at is None:
+            return {}
+        self._startup_reported = True
+        metrics = {f"time/startup/{name}": seconds for name, seconds in self.startup_seconds.items()}
+        metrics["time/startup/process_to_first_step"] = self._first_step_at - psutil.Process().create_time()
+        return metrics
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.startup_seconds[name] = time.perf_counter() - start
 
     def connect_weight_sync(self, client: Any) -> None:
         """Once the rollout client exists: wire SkyRL's transfer to it, where that is the method."""
@@ -148,7 +212,7 @@ class Runtime:
             self.weight_sync_method,
             self.workers,
             self.servers,
-            self.sync_dir,
+            self.run.sync_dir,
             version,
             lora_sync_path=self.run.lora.sync_path,
         )

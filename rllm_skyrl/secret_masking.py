@@ -1,34 +1,82 @@
-"""Secrets stay out of everything a run writes: logs, config dumps, tracebacks, wandb.
+"""Secrets stay out of everything a run writes: logs, console, tracebacks, config dumps, wandb.
 
-Secret-looking keys (``api_key``, ``HF_TOKEN``, ``clientSecret``...) lose their values in config
-dumps, and the values of secret environment variables and secret config keys are masked wherever
-they appear in log records (std ``logging`` and loguru) and in Hydra's ``.hydra/*.yaml`` files.
+Secret-looking keys (``api_key``, ``HF_TOKENS``, ``clientSecret``, ``GITHUB_PAT``,
+``authorization``...) lose their values in config dumps, and the values of secret environment
+variables and secret config keys, as well as passwords in URLs (``https://user:pass@host``), are
+masked wherever they appear: log records (std ``logging`` and loguru), anything written to the
+console (progress bars included) and uncaught tracebacks once ``mask_process_output`` runs (entry
+points call it first thing), and Hydra's ``.hydra/*.yaml`` and ``multirun.yaml`` files.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 REDACTED = "<redacted>"
-_SECRET_WORDS = {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials"}
+_SECRET_WORDS = {
+    "key",
+    "keys",
+    "apikey",
+    "apikeys",
+    "token",
+    "tokens",
+    "secret",
+    "secrets",
+    "password",
+    "passwords",
+    "passwd",
+    "credential",
+    "credentials",
+    "authorization",
+    "auth",
+    "pat",
+    "bearer",
+    "cookie",
+}
+# "tokens" next to one of these counts or lists token ids (max_tokens, stop_tokens), not secrets.
+_TOKEN_COUNT_WORDS = {
+    "max",
+    "min",
+    "num",
+    "n",
+    "new",
+    "stop",
+    "total",
+    "prompt",
+    "response",
+    "special",
+    "pad",
+}
+# Credentials inside a URL: scheme://user:password@host
+_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s/:@]*:)(?P<password>[^\s/@]+)(?P<at>@)")
 
 
 def is_secret_key(name: str) -> bool:
-    """True for ``api_key``, ``HF_TOKEN``, ``clientSecret``, ``password``... but not ``max_tokens``
-    or ``tokenizer``: the key is split into words and a word must be a secret word exactly."""
+    """True for ``api_key``, ``HF_TOKENS``, ``clientSecret``, ``GITHUB_PAT``, ``authorization``... but
+    not ``tokenizer``, ``path`` or ``max_tokens``: the key is split into words and a word must be a
+    secret word exactly ("tokens" next to a count word such as max/num/stop counts tokens)."""
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
-    return any(word in _SECRET_WORDS for word in re.split(r"[^a-zA-Z0-9]+", spaced.lower()))
+    words = set(re.split(r"[^a-zA-Z0-9]+", spaced.lower()))
+    if "tokens" in words and words & _TOKEN_COUNT_WORDS:
+        words.discard("tokens")
+    return bool(words & _SECRET_WORDS)
 
 
 def redact(value: Any) -> Any:
-    """A copy of a nested dict/list config with the values of secret-looking keys replaced."""
+    """A copy of a nested dict/list config with the text values of secret-looking keys replaced
+    (numbers and flags stay: ``max_tokens: 512`` is no secret)."""
     if isinstance(value, Mapping):
-        return {k: REDACTED if is_secret_key(str(k)) else redact(v) for k, v in value.items()}
+        return {
+            k: REDACTED if is_secret_key(str(k)) and isinstance(v, str) and v else redact(v)
+            for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
     return value
@@ -72,6 +120,8 @@ class SecretMasker(logging.Filter):
         for value in self._ordered:
             if value in text:
                 text = text.replace(value, REDACTED)
+        if "@" in text:
+            text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}\g<at>", text)
         return text
 
     def mask_tree(self, value: Any) -> Any:
@@ -90,8 +140,6 @@ class SecretMasker(logging.Filter):
         return out
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self._ordered:
-            return True
         message = record.getMessage()
         masked = self.mask(message)
         if masked != message:
@@ -127,8 +175,59 @@ def install_secret_masking(values: Iterable[str]) -> SecretMasker:
     return _MASKER
 
 
+class _MaskedStream(io.TextIOBase):
+    """A console stream that masks secrets in whatever passes through it (tqdm's bar included)."""
+
+    def __init__(self, stream: TextIO, masker: SecretMasker) -> None:
+        self._stream = stream
+        self._masker = masker
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._masker.mask(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+    def __getattr__(self, name: str) -> Any:  # anything else (``buffer``, ``errors``...) is the stream's
+        return getattr(self._stream, name)
+
+
+def mask_process_output(config: Any = None) -> SecretMasker:
+    """From now on, mask the environment's (and ``config``'s) secrets in everything this process
+    prints: log records, the console streams and uncaught tracebacks. Idempotent."""
+    masker = install_secret_masking(secret_values(config))
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _MaskedStream):
+            setattr(sys, name, _MaskedStream(stream, masker))
+    if not getattr(sys.excepthook, "masks_secrets", False):
+        original = sys.excepthook
+
+        def excepthook(kind, value, traceback) -> None:
+            import traceback as tb
+
+            sys.stderr.write(masker.mask("".join(tb.format_exception(kind, value, traceback))))
+
+        excepthook.masks_secrets = True
+        excepthook.original = original
+        sys.excepthook = excepthook
+    return masker
+
+
 def scrub_hydra_outputs(masker: SecretMasker) -> None:
-    """Hydra writes the composed config and the command-line overrides to ``.hydra/*.yaml``."""
+    """Hydra writes the composed config and the command-line overrides to ``.hydra/*.yaml`` (and,
+    for a sweep, ``multirun.yaml`` next to the jobs)."""
     try:
         from hydra.core.hydra_config import HydraConfig
     except ImportError:
@@ -136,9 +235,17 @@ def scrub_hydra_outputs(masker: SecretMasker) -> None:
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
-    if not hydra_cfg.output_subdir:
-        return
-    for path in (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml"):
+    paths = []
+    if hydra_cfg.output_subdir:
+        paths += (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml")
+    sweep_dir = (
+        hydra_cfg.sweep.dir if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN" else None
+    )
+    if sweep_dir:
+        paths.append(Path(sweep_dir) / "multirun.yaml")
+    for path in paths:
+        if not path.exists():
+            continue
         text = path.read_text()
         lines = [_redact_yaml_line(line) for line in masker.mask(text).splitlines(keepends=True)]
         if "".join(lines) != text:

@@ -4,6 +4,18 @@ Each CPU server is its own process (``python -m rllm_skyrl.inference``), so gene
 competes with the driver's event loop for the GIL, and a crash in one is a clear error here
 rather than a hang. Every server speaks SkyRL's protocol, so the rest of the backend only
 ever sees URLs.
+
+Servers we start are locked to the run that started them:
+
+- a random per-run token, handed over in the child's environment (``RLLM_SKYRL_SERVER_TOKEN``,
+  readable only by our own user; never on the command line, which ``ps`` shows to everyone).
+  ``ServerGroup.urls`` carry it as URL credentials (``http://rllm:<token>@127.0.0.1:port``):
+  SkyRL's ``RemoteInferenceClient`` has no auth option, but its aiohttp turns them into an
+  ``Authorization: Basic`` header, so clients built from the URLs just work; our own calls send
+  ``Bearer``. The token is masked in this process's logs.
+- weights are loaded only from under ``weights_root``;
+- the child gets our environment minus anything that looks like a credential;
+- the child exits when we do (``--parent-pid``), even if ``stop()`` is never called.
 """
 
 from __future__ import annotations
@@ -11,41 +23,96 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from rllm_skyrl.inference.middleware import TOKEN_ENV
 from rllm_skyrl.run_config import RunConfig
+from rllm_skyrl.secret_masking import install_secret_masking, is_secret_key
 
 logger = logging.getLogger(__name__)
+
+URL_USER = "rllm"
 
 
 @dataclass
 class ServerGroup:
-    """The URLs rollouts go to, and the processes we own behind them (empty for external servers)."""
+    """The URLs rollouts go to, and the processes we own behind them (empty for external servers).
+
+    ``urls`` are what clients use (with credentials when we hold a ``token``); ``weights_root``
+    is the directory the servers load weights from, and is removed on ``stop()`` when
+    ``start_cpu_servers`` created it.
+    """
 
     urls: list[str]
     processes: list[subprocess.Popen] = field(default_factory=list)
     log_files: list[Path] = field(default_factory=list)
+    token: str | None = field(default=None, repr=False)
+    weights_root: Path | None = None
+    owns_weights_root: bool = False
+    model_dir: str | None = None
 
     @property
     def owned(self) -> bool:
         return bool(self.processes)
 
+    def request_target(self, url: str) -> tuple[str, dict[str, str]]:
+        """Where our own HTTP calls go and with which headers: our token as Bearer; a URL given
+        to us with credentials keeps them (httpx sends them as Basic)."""
+        if self.token is None:
+            return url, {}
+        return without_credentials(url), {"Authorization": f"Bearer {self.token}"}
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait until every launched server serves, and record its URL (with our credentials)."""
+        try:
+            for index, (process, log_file) in enumerate(zip(self.processes, self.log_files, strict=True)):
+                url = _wait_healthy(process, log_file, timeout)
+                self.urls.append(with_credentials(url, self.token) if self.token else url)
+                logger.info("inference server %d serving %s at %s", index, self.model_dir, url)
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_alive(self) -> None:
+        """Raise naming the server, its exit code and its log when a server we started has died:
+        rollouts would otherwise fail one by one and the run would train on nothing."""
+        for index, process in enumerate(self.processes):
+            code = process.poll()
+            if code is not None:
+                log = self.log_files[index] if index < len(self.log_files) else None
+                tail = log.read_text(errors="replace")[-1500:] if log is not None and log.exists() else ""
+                raise RuntimeError(
+                    f"inference server {index} (pid {process.pid}) exited with code {code}; "
+                    f"log {log}:\n{tail}"
+                )
+
     def load_weights(self, path: str, weight_version: int, timeout: float = 600.0) -> None:
         """Ask every server to load the full weights the trainer wrote to ``path``."""
+        self.check_alive()
         for url in self.urls:
+            target, headers = self.request_target(url)
             response = httpx.post(
-                f"{url}/rllm_skyrl/v1/load_weights",
+                f"{target}/rllm_skyrl/v1/load_weights",
                 json={"path": path, "weight_version": weight_version},
+                headers=headers,
                 timeout=timeout,
             )
             if response.status_code != 200:
-                raise RuntimeError(f"weight reload on {url} failed ({response.status_code}): {response.text}")
+                raise RuntimeError(
+                    f"weight reload on {without_credentials(url)} failed ({response.status_code}): "
+                    f"{response.text}"
+                )
 
     def stop(self) -> None:
         for process in self.processes:
@@ -58,13 +125,52 @@ class ServerGroup:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        if self.owns_weights_root and self.weights_root is not None:
+            shutil.rmtree(self.weights_root, ignore_errors=True)
+            self.owns_weights_root = False
+
+
+def without_credentials(url: str) -> str:
+    """``url`` minus any ``user:password@`` part (for logs and for calls that send a header)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=host))
+
+
+def with_credentials(url: str, token: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=f"{URL_USER}:{token}@{parts.netloc}"))
+
+
+# Beyond is_secret_key's words: name words that mark a credential, and values that are one.
+_CREDENTIAL_WORDS = {"auth", "pat", "pass", "passphrase", "cookie", "bearer", "jwt", "dsn", "private"}
+_CREDENTIAL_VALUE = re.compile(
+    r"://[^/\s:@]+:[^/\s@]+@"  # a URL with a password
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----"
+    r"|\b(?:gh[pousr]_|github_pat_|glpat-|hf_|sk-|xox[abprs]-)[A-Za-z0-9_\-]{16,}"
+    r"|\bAKIA[0-9A-Z]{16}\b"
+    r"|\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\."  # a JWT
+)
+
+
+def looks_like_credential(name: str, value: str) -> bool:
+    """Whether an environment variable holds a secret: a secret-looking name (``HF_TOKEN``,
+    ``DB_PASS``, ``SSH_AUTH_SOCK``) or a secret-looking value (a URL with a password, a key)."""
+    words = set(re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()))
+    return is_secret_key(name) or bool(words & _CREDENTIAL_WORDS) or bool(_CREDENTIAL_VALUE.search(value))
+
+
+def server_environment(environ: Mapping[str, str], token: str) -> dict[str, str]:
+    """The environment a server starts with: ours without credentials, plus its token."""
+    env = {k: v for k, v in environ.items() if not looks_like_credential(k, v)}
+    return {**env, "TOKENIZERS_PARALLELISM": "false", TOKEN_ENV: token}
 
 
 _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 def _wait_healthy(process: subprocess.Popen, log_file: Path, timeout: float) -> str:
-    """The server prints its URL once bound (it picks a free port); then poll /health."""
+    """The server prints its URL once bound (it picks a free port); then poll /health (open)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         log = log_file.read_text(errors="replace") if log_file.exists() else ""
@@ -89,15 +195,52 @@ def start_cpu_servers(
     num_servers: int,
     log_dir: str | Path,
     *,
+    weights_root: str | Path | None = None,
     max_model_len: int | None = None,
     max_batch_size: int = 256,
     seed: int = 0,
     timeout: float = 120.0,
 ) -> ServerGroup:
     """Start ``num_servers`` transformers servers on free loopback ports and wait until they serve."""
+    group = launch_cpu_servers(
+        model_dir,
+        num_servers,
+        log_dir,
+        weights_root=weights_root,
+        max_model_len=max_model_len,
+        max_batch_size=max_batch_size,
+        seed=seed,
+    )
+    group.wait_ready(timeout)
+    return group
+
+
+def launch_cpu_servers(
+    model_dir: str,
+    num_servers: int,
+    log_dir: str | Path,
+    *,
+    weights_root: str | Path | None = None,
+    max_model_len: int | None = None,
+    max_batch_size: int = 256,
+    seed: int = 0,
+) -> ServerGroup:
+    """Start the server processes and return at once; ``wait_ready`` waits until they serve.
+
+    A server takes seconds to import torch and load its model: a run starts them first and brings
+    up Ray and its training workers meanwhile. ``weights_root``: the directory the trainer writes
+    weights to for the servers (a run's ``<checkpoint root>/sync``); the servers load nothing from
+    elsewhere. None creates a fresh private temporary directory, removed again by ``stop()``.
+    """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    group = ServerGroup(urls=[])
+    token = secrets.token_urlsafe(32)
+    install_secret_masking([token])
+    owns_root = weights_root is None
+    root = Path(tempfile.mkdtemp(prefix="rllm-skyrl-weights-")) if owns_root else Path(weights_root)
+    group = ServerGroup(urls=[], token=token, weights_root=root, owns_weights_root=owns_root)
+    group.model_dir = model_dir
+    env = server_environment(os.environ, token)
     try:
         for index in range(num_servers):
             log_file = log_dir / f"server{index}.log"
@@ -109,24 +252,21 @@ def start_cpu_servers(
                 model_dir,
                 "--port",
                 "0",
+                "--weights-root",
+                str(root),
                 "--max-batch-size",
                 str(max_batch_size),
                 "--seed",
                 str(seed + index),
+                "--parent-pid",
+                str(os.getpid()),
             ]
             if max_model_len:
                 command += ["--max-model-len", str(max_model_len)]
             with open(log_file, "w") as log:
-                process = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                )
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             group.processes.append(process)
             group.log_files.append(log_file)
-            group.urls.append(_wait_healthy(process, log_file, timeout))
-            logger.info("inference server %d serving %s at %s", index, model_dir, group.urls[-1])
     except BaseException:
         group.stop()
         raise
@@ -173,16 +313,18 @@ def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
 
 
 def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
-    """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers."""
+    """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers
+    (launched; the caller waits with ``wait_ready``, so other bring-up overlaps their start)."""
     kind = run.platform.server_kind(run.inference.urls)
     if kind == "external":
         return external_servers(list(run.inference.urls))
     if kind == "skyrl_vllm":
         return start_skyrl_servers(run.skyrl, tokenizer)
-    return start_cpu_servers(
+    return launch_cpu_servers(
         run.model_path,
         run.inference.num_engines,
         log_dir=run.log_dir / "inference",
+        weights_root=run.sync_dir,
         max_model_len=run.inference.max_model_len,
         max_batch_size=run.inference.max_batch_size,
         seed=run.seed,

@@ -21,18 +21,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import descendants, reap, wait_until
 from training_runs import (
     Run,
     assert_ok,
-    descendants,
     launch,
-    reap,
     train_env,
     train_task_ids_by_step,
     wait,
 )
 
-from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointManager
+from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointError, CheckpointManager
 from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
@@ -110,7 +109,7 @@ def test_resaving_a_step_is_atomic_and_recovers_an_interrupted_swap(tmp_path):
 
 def test_a_dangling_latest_pointer_is_a_clear_error(tmp_path):
     (tmp_path / LATEST).write_text("global_step_7")
-    with pytest.raises(RuntimeError, match="global_step_7.*not a complete checkpoint"):
+    with pytest.raises(CheckpointError, match="global_step_7.*not a complete checkpoint"):
         CheckpointManager(tmp_path, FakeWorkers()).latest_step()
 
 
@@ -155,7 +154,7 @@ def test_resume_modes(tmp_path, caplog):
     with pytest.raises(ValueError, match="resume_mode='sometimes'"):
         manager.resume("sometimes", None, _state())
     critic = CheckpointManager(tmp_path / "ckpt", FakeWorkers(roles=("policy", "critic")))
-    with pytest.raises(FileNotFoundError, match="no critic checkpoint"):
+    with pytest.raises(CheckpointError, match="no critic checkpoint"):
         critic.resume("auto", None, _state())
 
 
@@ -315,6 +314,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(digits_runs):
     kill = digits_runs.kill
     assert digits_runs.killed.returncode == -signal.SIGKILL
     assert kill.tmp_dir.startswith(".tmp_global_step_3_")
+    assert kill.tmp_contents == ["policy", STATE_FILE], "the run was killed before its save was complete"
     assert kill.latest_after == "global_step_2"
     assert "global_step_3" not in kill.listing_after, f"the interrupted save was published: {kill}"
     assert {"global_step_1", "global_step_2"} <= set(kill.listing_after)
@@ -381,14 +381,12 @@ def test_a_killed_worker_fails_the_run_clearly_and_auto_resume_continues(tmp_pat
     started = time.monotonic()
     process = launch(run, overrides, env)
     latest = run.run_dir / "checkpoints" / LATEST
-    deadline = time.monotonic() + 600
-    victim = []
-    while not victim:  # once step 2 is saved, kill the policy worker inside a forward_backward
-        assert process.poll() is None, run.text[-4000:]
-        assert time.monotonic() < deadline, run.text[-4000:]
-        if latest.exists():
-            victim = _policy_worker(process.pid, "forward_backward")
-        time.sleep(0.01)
+
+    def busy_policy_worker():  # once step 2 is saved: the policy worker, inside a forward_backward
+        assert process.poll() is None, f"the run ended first:\n{run.text[-4000:]}"
+        return latest.exists() and _policy_worker(process.pid, "forward_backward")
+
+    victim = wait_until(busy_policy_worker, 600, "a policy worker in forward_backward after step 2")
     tree = descendants(process.pid)
     victim[0].kill()
     killed_at = time.monotonic()

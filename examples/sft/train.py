@@ -18,9 +18,10 @@ from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
 from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import hydra_cli_overrides, quiet_libraries
+from rllm_skyrl.launcher import clean_stop, hydra_cli_overrides, one_line_errors, quiet_libraries
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
+from rllm_skyrl.secret_masking import mask_process_output
 
 MODEL_ID = "sft"
 
@@ -65,7 +66,8 @@ def train_sft(cfg: DictConfig) -> SFTResult:
     heldout_path = write_sft_parquet(data_dir / "heldout.parquet", heldout_pairs)
 
     # One optimizer step per SFT step: the run is exactly sft.steps optimizer steps long.
-    run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
+    with one_line_errors():
+        run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
     runtime = Runtime.start(run, serve=False)
     try:
         tokenizer, models = runtime.tokenizer, runtime.models
@@ -108,8 +110,10 @@ def train_sft(cfg: DictConfig) -> SFTResult:
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    mask_process_output()
     quiet_libraries()
-    train_sft(cfg)
+    with clean_stop():
+        train_sft(cfg)
 
 
 if __name__ == "__main__":

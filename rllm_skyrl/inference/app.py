@@ -11,25 +11,35 @@
 | ``POST /skyrl/v1/load_lora_adapter``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter`` | LoRA sync |
 | ``POST /rllm_skyrl/v1/load_weights``, ``GET /rllm_skyrl/v1/weight_version`` | full-weight sync on CPU |
 
-Errors are ``{"error": {"message", "type", "code"}}``, which the client surfaces verbatim.
+Errors are ``{"error": {"message", "type", "code"}}``, which the client surfaces verbatim. Every
+field is checked before any work starts (400 naming it); a request whose client disconnects is
+cancelled in the scheduler; ``middleware.py`` adds the token check (every route but ``/health``),
+the body size limit (413) and the last-resort 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rllm_skyrl.inference import openai_api
+from rllm_skyrl.inference import checks, openai_api
+from rllm_skyrl.inference.checks import INT64_MAX
 from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference.middleware import BodyLimit, LastResortErrors, TokenAuth
 from rllm_skyrl.inference.sampling import SamplingParams
 from rllm_skyrl.inference.scheduler import GenerationResult
 from rllm_skyrl.inference.service import InferenceService
+
+MAX_DETOKENIZE = 1 << 20
 
 SLEEP_TAGS = ("weights", "kv_cache")
 # SkyRL's GPU weight-transfer routes; on CPU the trainer writes HF weights and calls ours instead.
@@ -44,8 +54,10 @@ _GPU_ONLY_ROUTES = (
 )
 
 
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(content=orjson.dumps(payload), status_code=status, media_type="application/json")
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        content=orjson.dumps(payload), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -78,22 +90,54 @@ def token_logprobs(result: GenerationResult) -> dict[str, Any] | None:
     }
 
 
-def build_app(service: InferenceService) -> FastAPI:
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected[T](request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so its requests in the scheduler) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client disconnected; its request was cancelled")  # nobody reads this
+    return task.result()
+
+
+def build_app(
+    service: InferenceService, *, token: str | None = None, max_body_bytes: int = 16 << 20
+) -> FastAPI:
+    """The routes over ``service``; with ``token``, every route but /health requires it."""
     app = FastAPI(title="rllm_skyrl CPU inference server", docs_url=None, redoc_url=None)
     scheduler = service.scheduler
+    # add_middleware wraps outwards: the token is checked first, LastResortErrors sits innermost.
+    app.add_middleware(LastResortErrors)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if token is not None:
+        app.add_middleware(TokenAuth, token=token)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
-        return json_response(exc.body(), exc.status)
+        return json_response(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return json_response(ApiError(exc.status_code, str(exc.detail)).body(), exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> Response:
-        message = f"internal error: {type(exc).__name__}: {exc}; see the server log"
-        return json_response(ApiError(500, message).body(), 500)
+    @app.exception_handler(RequestValidationError)
+    async def _query_error(_: Request, exc: RequestValidationError) -> Response:
+        # vLLM answers malformed parameters with 400, not FastAPI's 422.
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return json_response(ApiError(400, f"invalid request: {problems}").body(), 400)
 
     # ------------------------------------------------------------------ data plane
     @app.post("/inference/v1/generate")
@@ -104,47 +148,63 @@ def build_app(service: InferenceService) -> FastAPI:
             raise ApiError(400, "'token_ids' (a list of prompt token ids) is required")
         if body.get("features"):
             raise ApiError(400, "multi-modal features are not supported by the CPU inference server")
-        params = SamplingParams.from_dict(body.get("sampling_params"))
-        result = await service.generate(token_ids, params, service.resolve_model(body.get("model")))
-        choice = {
-            "index": 0,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "stop_reason": result.stop_reason,
-            "logprobs": token_logprobs(result),
-        }
-        return json_response(
-            {"request_id": body.get("request_id") or f"gen-{uuid.uuid4().hex}", "choices": [choice]}
-        )
+        request_id = checks.optional_string("request_id", body.get("request_id"))
+        raw_params = body.get("sampling_params")
+        params = SamplingParams.from_dict(raw_params)
+        # n samples of one prompt (SkyRL's client asks for them through its Tinker-style `sample`).
+        n = openai_api.num_choices(raw_params if isinstance(raw_params, dict) else {})
+        adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
+        jobs = openai_api.n_jobs(token_ids, params, n)
+        results = await unless_disconnected(request, service.generate_many(jobs, adapter))
+        choices = [
+            {
+                "index": index,
+                "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason,
+                "stop_reason": result.stop_reason,
+                "logprobs": token_logprobs(result),
+            }
+            for index, result in enumerate(results)
+        ]
+        return json_response({"request_id": request_id or f"gen-{uuid.uuid4().hex}", "choices": choices})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return json_response(await openai_api.chat_completion(service, await read_json(request)))
+        body = await read_json(request)
+        return json_response(await unless_disconnected(request, openai_api.chat_completion(service, body)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return json_response(await openai_api.completion(service, await read_json(request)))
+        body = await read_json(request)
+        return json_response(await unless_disconnected(request, openai_api.completion(service, body)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await read_json(request)
         if "messages" in body:
-            tokens = service.render_chat(body["messages"], tools=body.get("tools"))
+            tokens = await service.render_chat(body["messages"], tools=body.get("tools"))
         elif isinstance(body.get("prompt"), str):
-            tokens = service.tokenizer.encode(
-                body["prompt"], add_special_tokens=body.get("add_special_tokens", True)
-            )
+            special = body.get("add_special_tokens")
+            special = True if special is None else checks.boolean("add_special_tokens", special)
+            tokens = await service.encode(body["prompt"], add_special_tokens=special)
         else:
             raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat) to tokenize")
+        if len(tokens) > service.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {service.max_model_len} tokens; the text has more",
+            )
         return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": service.max_model_len})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         body = await read_json(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list):
+        if body.get("tokens") is None:
             raise ApiError(400, "'tokens' (a list of token ids) is required")
-        return json_response({"prompt": service.tokenizer.decode(tokens)})
+        tokens = checks.integers(
+            "tokens", body["tokens"], 0, scheduler.vocab_size - 1, max_len=MAX_DETOKENIZE
+        )
+        return json_response({"prompt": await service.decode(tokens)})
 
     # ------------------------------------------------------------------ info
     @app.get("/health")
@@ -181,6 +241,7 @@ def build_app(service: InferenceService) -> FastAPI:
                 "waiting": scheduler.num_waiting,
                 "paused": scheduler.paused,
                 "sleeping": sorted(scheduler.sleeping_tags),
+                "counters": dict(scheduler.counters),
             }
         )
 
@@ -221,7 +282,7 @@ def build_app(service: InferenceService) -> FastAPI:
     async def _load_lora(request: Request) -> Response:
         body = await read_json(request)
         name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ApiError(400, "'lora_name' and 'lora_path' are required (in-memory adapters need vLLM)")
         await service.load_lora(name, path)
         return json_response({"status": "ok", "lora_name": name})
@@ -232,7 +293,7 @@ def build_app(service: InferenceService) -> FastAPI:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(request: Request) -> Response:
         body = await read_json(request)
-        if not body.get("lora_name"):
+        if not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
             raise ApiError(400, "'lora_name' is required")
         await service.unload_lora(body["lora_name"])
         return json_response({"status": "ok", "lora_name": body["lora_name"]})
@@ -240,11 +301,10 @@ def build_app(service: InferenceService) -> FastAPI:
     @app.post("/rllm_skyrl/v1/load_weights")
     async def load_weights(request: Request) -> Response:
         body = await read_json(request)
-        path, version = body.get("path"), body.get("weight_version")
+        path = body.get("path")
         if not isinstance(path, str) or not path:
             raise ApiError(400, "'path' (a directory written by save_pretrained) is required")
-        if version is not None and not isinstance(version, int):
-            raise ApiError(400, f"'weight_version' must be an integer, got {version!r}")
+        version = checks.optional_integer("weight_version", body.get("weight_version"), 0, INT64_MAX)
         return json_response(await service.load_weights(path, version))
 
     async def _gpu_only(request: Request) -> Response:

@@ -2,20 +2,25 @@
 
 Agent harnesses talk to the policy through these. Sampling keys follow vLLM's OpenAI server
 (``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids``... are accepted);
-request keys that only shape the transport (``user``, ``stream_options``...) are ignored.
+request keys that only shape the transport (``user``, ``stream_options``...) are ignored. A
+request's own ``chat_template`` is refused, as vLLM does unless started with
+``--trust-request-chat-template``: the server renders with the model's template only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
 
+from rllm_skyrl.inference import checks
+from rllm_skyrl.inference.checks import INT32_MAX
 from rllm_skyrl.inference.errors import ApiError
-from rllm_skyrl.inference.sampling import SamplingParams
+from rllm_skyrl.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from rllm_skyrl.inference.scheduler import GenerationResult
 from rllm_skyrl.inference.service import InferenceService
+
+MAX_CHOICES = 128  # n per prompt; each choice is a request of its own in the scheduler
 
 _SAMPLING_KEYS = (
     "temperature",
@@ -37,31 +42,35 @@ _SAMPLING_KEYS = (
 
 
 def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    if body.get("stream"):
+    if body.get("stream") is not None and checks.boolean("stream", body["stream"]):
         raise ApiError(400, "stream=true is not supported by the CPU inference server; send stream=false")
     raw = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
-    raw["max_tokens"] = body.get("max_completion_tokens") or body.get("max_tokens")
+    for key in ("max_completion_tokens", "max_tokens"):
+        checks.optional_integer(key, body.get(key), 1, INT32_MAX)
+    limit = body.get("max_completion_tokens")
+    raw["max_tokens"] = limit if limit is not None else body.get("max_tokens")
     raw["logprobs"] = logprobs
     return SamplingParams.from_dict(raw)
 
 
-def _num_choices(body: dict[str, Any]) -> int:
-    n = body.get("n") or 1
-    if not isinstance(n, int) or n < 1:
-        raise ApiError(400, f"n must be a positive integer, got {n!r}")
-    return n
+def num_choices(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    return 1 if n is None else checks.integer("n", n, 1, MAX_CHOICES)
 
 
-async def _sample_n(
-    service: InferenceService, prompt_ids: list[int], params: SamplingParams, n: int, adapter: str | None
-) -> list[GenerationResult]:
+def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    return default if value is None else checks.boolean(key, value)
+
+
+def n_jobs(prompt_ids: list[int], params: SamplingParams, n: int) -> list[tuple[list[int], SamplingParams]]:
     """n independent samples; with a seed, sample i uses seed + i so they differ yet reproduce."""
-    per_sample = [params]
+    jobs = [(prompt_ids, params)]
     for i in range(1, n):
         extra = SamplingParams(**vars(params))
         extra.seed = None if params.seed is None else params.seed + i
-        per_sample.append(extra)
-    return list(await asyncio.gather(*(service.generate(prompt_ids, p, adapter) for p in per_sample)))
+        jobs.append((prompt_ids, extra))
+    return jobs
 
 
 def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, int]:
@@ -78,17 +87,27 @@ def _piece(service: InferenceService, token: int) -> str:
 
 
 async def chat_completion(service: InferenceService, body: dict[str, Any]) -> dict[str, Any]:
-    adapter = service.resolve_model(body.get("model"))
-    prompt_ids = service.render_chat(
+    """Everything is checked before the chat is templated, so a bad field costs no work."""
+    adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
+    if body.get("chat_template") is not None:
+        raise ApiError(
+            400,
+            "a request's own chat_template is not accepted: the server renders with the model's chat "
+            "template; drop the field",
+        )
+    top = body.get("top_logprobs")
+    top = 0 if top is None else checks.integer("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
+    params = _sampling_params(body, top if _flag(body, "logprobs") else None)
+    n = num_choices(body)
+    return_token_ids = _flag(body, "return_token_ids")
+    prompt_ids = await service.render_chat(
         body.get("messages"),
         tools=body.get("tools"),
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        continue_final_message=body.get("continue_final_message", False),
+        add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
+        continue_final_message=_flag(body, "continue_final_message"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
     )
-    top = body.get("top_logprobs") or 0
-    params = _sampling_params(body, top if body.get("logprobs") else None)
-    results = await _sample_n(service, prompt_ids, params, _num_choices(body), adapter)
+    results = await service.generate_many(n_jobs(prompt_ids, params, n), adapter)
     choices = []
     for index, result in enumerate(results):
         choice: dict[str, Any] = {
@@ -102,7 +121,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
             "stop_reason": result.stop_reason,
             "logprobs": _chat_logprobs(service, result),
         }
-        if body.get("return_token_ids"):
+        if return_token_ids:
             choice["token_ids"] = result.token_ids
         choices.append(choice)
     response = {
@@ -113,7 +132,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
         "choices": choices,
         "usage": _usage(len(prompt_ids), results),
     }
-    if body.get("return_token_ids"):
+    if return_token_ids:
         response["prompt_token_ids"] = prompt_ids
     return response
 
@@ -135,25 +154,28 @@ def _chat_logprobs(service: InferenceService, result: GenerationResult) -> dict[
     }
 
 
-def _prompts(service: InferenceService, prompt: Any) -> list[list[int]]:
-    """A completion ``prompt``: a string, a token list, or a list of either."""
-    if isinstance(prompt, str):
-        return [service.tokenizer.encode(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        return [p for item in prompt for p in _prompts(service, item)]
-    raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of those")
+async def _prompts(service: InferenceService, prompt: Any) -> list[list[int]]:
+    """A completion ``prompt``: a string, a token list, or a non-empty list of either (flat)."""
+    items = [prompt] if isinstance(prompt, str) or (isinstance(prompt, list) and _is_ids(prompt)) else prompt
+    if not isinstance(items, list) or not items or not all(isinstance(p, str) or _is_ids(p) for p in items):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of those")
+    return [await service.encode(p) if isinstance(p, str) else p for p in items]
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(checks.is_int(t) for t in value)
 
 
 async def completion(service: InferenceService, body: dict[str, Any]) -> dict[str, Any]:
     if body.get("echo") or body.get("suffix"):
         raise ApiError(400, "echo and suffix are not supported by the CPU inference server")
-    adapter = service.resolve_model(body.get("model"))
-    prompts = _prompts(service, body.get("prompt"))
+    adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
     params = _sampling_params(body, body.get("logprobs"))
-    n = _num_choices(body)
-    batches = await asyncio.gather(*(_sample_n(service, p, params, n, adapter) for p in prompts))
+    n = num_choices(body)
+    return_token_ids = _flag(body, "return_token_ids")
+    prompts = await _prompts(service, body.get("prompt"))
+    flat = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
+    batches = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
     choices = []
     for p_index, results in enumerate(batches):
         for j, result in enumerate(results):
@@ -164,7 +186,7 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
                 "stop_reason": result.stop_reason,
                 "logprobs": _completion_logprobs(service, result),
             }
-            if body.get("return_token_ids"):
+            if return_token_ids:
                 choice["token_ids"] = result.token_ids
                 choice["prompt_token_ids"] = prompts[p_index]
             choices.append(choice)

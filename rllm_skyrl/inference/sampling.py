@@ -8,16 +8,22 @@ ratio between rollout and trainer logprobs is 1 up to float error when the weigh
 is what off-policy corrections and the tests rely on. With truncation active the reported value
 is therefore not the probability the token was drawn with; that is deliberate (vLLM's default
 "raw logprobs" mode makes the same choice). Greedy rows (temperature 0) report ``log_softmax(logits)``.
+
+Like vLLM, a temperature in (0, 0.01) is raised to 0.01 (smaller ones overflow fp32 logits and
+left nothing but NaN to report), and a logprob below -9999 (a probability that underflows fp32)
+is reported as -9999.0: a reported logprob is always a finite number, never null.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference import checks
+from rllm_skyrl.inference.checks import INT32_MAX, INT64_MAX, INT64_MIN
 
 # vLLM sampling keys we accept and ignore because they only change things we do not have
 # (output streaming kind, detokenizer spacing, prefix-cache reads, prompt logprob format).
@@ -36,7 +42,6 @@ _IGNORED_KEYS = frozenset(
 )
 # Keys we accept only at their neutral value: they change the distribution and are not implemented.
 _NEUTRAL_KEYS = {
-    "n": 1,
     "best_of": None,
     "repetition_penalty": 1.0,
     "presence_penalty": 0.0,
@@ -48,6 +53,37 @@ _NEUTRAL_KEYS = {
     "structured_outputs": None,
 }
 MAX_TOP_LOGPROBS = 20
+MIN_TEMPERATURE = 0.01  # vLLM's floor: a smaller non-zero temperature overflows fp32 logits
+LOGPROB_FLOOR = -9999.0  # vLLM's floor for a reported logprob whose probability underflows
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # every decode step checks each running row's stops
+MAX_STOP_TOKEN_IDS = 1024
+
+_CHECKS = {
+    "max_tokens": lambda v: checks.optional_integer("max_tokens", v, 1, INT32_MAX),
+    "min_tokens": lambda v: checks.integer("min_tokens", v, 0, INT32_MAX),
+    "temperature": lambda v: checks.number("temperature", v, 0.0, math.inf),
+    "top_p": lambda v: checks.number("top_p", v, 0.0, 1.0, lo_open=True),
+    "top_k": lambda v: checks.integer("top_k", v, -1, INT32_MAX),
+    "min_p": lambda v: checks.number("min_p", v, 0.0, 1.0),
+    "seed": lambda v: checks.optional_integer("seed", v, INT64_MIN, INT64_MAX),
+    "stop": lambda v: checks.strings("stop", v, max_len=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS),
+    "stop_token_ids": lambda v: checks.integers(
+        "stop_token_ids", v, 0, INT32_MAX, max_len=MAX_STOP_TOKEN_IDS
+    ),
+    "ignore_eos": lambda v: checks.boolean("ignore_eos", v),
+    "logprobs": lambda v: _logprobs(v),
+    "skip_special_tokens": lambda v: checks.boolean("skip_special_tokens", v),
+    "include_stop_str_in_output": lambda v: checks.boolean("include_stop_str_in_output", v),
+}
+_NULLABLE = frozenset({"max_tokens", "seed", "logprobs"})
+
+
+def _logprobs(value: Any) -> int | None:
+    """vLLM's reading: ``true`` is 1 alternative, ``false``/null none, k in [0, 20] the sampled
+    token plus k alternatives."""
+    if isinstance(value, bool):
+        return 1 if value else None
+    return checks.optional_integer("logprobs", value, 0, MAX_TOP_LOGPROBS)
 
 
 @dataclass
@@ -69,66 +105,40 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """Validate a vLLM-style ``sampling_params`` dict; unknown or unsupported keys are a 400."""
-        raw = dict(raw or {})
+    def from_dict(cls, raw: Any) -> SamplingParams:
+        """Check a vLLM-style ``sampling_params`` object field by field; anything else is a 400.
+
+        null means "default" (as in vLLM). Unknown keys, and keys we only accept at their
+        neutral value, are refused rather than ignored: silently sampling from another
+        distribution than the caller asked for would corrupt a training run unnoticed.
+        """
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise checks.bad(f"sampling_params must be a JSON object, got {checks.shown(raw)}")
         params = cls()
         for key, value in raw.items():
-            if value is None and key not in ("max_tokens", "seed", "logprobs"):
-                continue
-            if key in _IGNORED_KEYS:
-                continue
+            if key == "n" or key in _IGNORED_KEYS or (value is None and key not in _NULLABLE):
+                continue  # n (samples per prompt) is the route's business, not a sampling knob
             if key in _NEUTRAL_KEYS:
                 if value != _NEUTRAL_KEYS[key] and value != [] and value != {}:
-                    raise ApiError(
-                        400,
-                        f"sampling param {key}={value!r} is not supported by the CPU inference server; "
-                        f"leave it at {_NEUTRAL_KEYS[key]!r}",
+                    raise checks.bad(
+                        f"sampling param {key}={checks.shown(value)} is not supported by the CPU "
+                        f"inference server; leave it at {_NEUTRAL_KEYS[key]!r}"
                     )
                 continue
-            if key == "stop":
-                value = [value] if isinstance(value, str) else list(value)
-            if key == "logprobs" and isinstance(value, bool):
-                value = 0 if value else None
-            if not hasattr(params, key):
-                supported = sorted(f for f in cls.__dataclass_fields__)
-                raise ApiError(400, f"unknown sampling param {key!r}; supported: {supported}")
-            setattr(params, key, value)
-        params._validate()
+            check = _CHECKS.get(key)
+            if check is None:
+                raise checks.bad(f"unknown sampling param {checks.shown(key)}; supported: {sorted(_CHECKS)}")
+            setattr(params, key, check(value))
+        if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+            raise checks.bad(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
+        params.top_k = max(params.top_k, 0)
+        if params.seed == -1:
+            params.seed = None  # vLLM: -1 means unseeded
+        if 0.0 < params.temperature < MIN_TEMPERATURE:
+            params.temperature = MIN_TEMPERATURE
         return params
-
-    def _validate(self) -> None:
-        def bad(msg: str) -> ApiError:
-            return ApiError(400, f"invalid sampling params: {msg}")
-
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad(f"max_tokens must be a positive integer or null, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and not (
-            isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS
-        ):
-            raise bad(
-                f"logprobs must be null or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}"
-            )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop must be a string or a list of non-empty strings")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be a list of integers")
-        self.top_k = max(self.top_k, 0)
-        self.temperature = float(self.temperature)
 
 
 @dataclass
@@ -164,7 +174,7 @@ class BatchSampler:
         self.greedy = torch.tensor([t == 0.0 for t in temps])
         self.all_greedy = bool(self.greedy.all())
         self.any_greedy = bool(self.greedy.any())
-        self.inv_temp = torch.tensor([1.0 / t if t > 0 else 1.0 for t in temps]).unsqueeze(1)
+        self.temperature = torch.tensor([t if t > 0 else 1.0 for t in temps]).unsqueeze(1)
         self.scale = any(t not in (0.0, 1.0) for t in temps)
         self.top_k = torch.tensor([p.top_k for p in params])
         self.top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
@@ -183,7 +193,7 @@ class BatchSampler:
 
     def sample(self, logits: torch.Tensor) -> SampleResult:
         """Draw one token per row of ``logits`` ([B, V], fp32)."""
-        scaled = logits * self.inv_temp if self.scale else logits
+        scaled = logits / self.temperature if self.scale else logits
         logprobs = torch.log_softmax(scaled, dim=-1)
         draw_from = logprobs
         if self.steps_with_bans > 0:
@@ -197,10 +207,11 @@ class BatchSampler:
             tokens = self._draw(draw_from)
             if self.any_greedy:
                 tokens = torch.where(self.greedy, draw_from.argmax(dim=-1), tokens)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        chosen = _reportable(logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
         top = None
         if self.max_top > 0:
             values, indices = logprobs.topk(self.max_top, dim=-1)
+            values = _reportable(values)
             pairs = [
                 list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
             ]
@@ -242,3 +253,8 @@ class BatchSampler:
         drop[:, 0] = False
         sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
         return torch.empty_like(logprobs).scatter_(1, order, sorted_lp)
+
+
+def _reportable(logprobs: torch.Tensor) -> torch.Tensor:
+    """Logprobs as they go out: finite, floored at ``LOGPROB_FLOOR`` (JSON has no -inf or NaN)."""
+    return torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)

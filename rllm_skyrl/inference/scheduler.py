@@ -5,6 +5,11 @@ A single thread owns the model. Each turn of its loop it runs the queued control
 then left-padded again and concatenated onto the running batch's), runs one batched decode step,
 and retires the rows that finished. Requests therefore join and leave the batch at token
 granularity, instead of waiting for the slowest member of a static batch.
+
+The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
+and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
+next decode step. ``counters`` count what the loop did (prefills, KV-cache merges, decode steps,
+tokens, cancellations), so callers and tests can see it without timing anything.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,7 +29,7 @@ from transformers import DynamicCache
 
 from rllm_skyrl.inference.errors import ApiError
 from rllm_skyrl.inference.sampling import BatchSampler, SampleResult, SamplingParams
-from rllm_skyrl.inference.weights import LoraAdapters
+from rllm_skyrl.inference.weights import LoraAdapters, WeightsRoot
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class _Request:
         self.top: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
         self.stop_window = max((len(s) for s in params.stop), default=0) + 2
         self.done = False
+        self.cancelled = False
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self._deliver(
@@ -105,19 +111,22 @@ class Scheduler:
         max_model_len: int,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 8192,
+        max_waiting: int = 4096,
         seed: int = 0,
         can_merge: bool = True,
+        weights_root: WeightsRoot | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_waiting = max_waiting
         self.can_merge = can_merge
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.lora = LoraAdapters(model)
+        self.lora = LoraAdapters(model, weights_root or WeightsRoot(None))
         self.weight_version = 0
         self._rng = torch.Generator().manual_seed(seed)
         self._seq = itertools.count()
@@ -125,7 +134,13 @@ class Scheduler:
         self._waiting: deque[_Request] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._stopping = False
+        self._cancel_pending = False
         self._thread: threading.Thread | None = None
+        # What the loop did; peak_running is a high-water mark. Every key exists from the start, so
+        # reading the counters from another thread never sees the dict change size.
+        self.counters: Counter[str] = Counter(
+            dict.fromkeys(("prefills", "merges", "decode_steps", "tokens", "cancelled", "peak_running"), 0)
+        )
         # Generation-thread state.
         self._batch: _Batch | None = None
         self._pause: str | None = None
@@ -147,26 +162,47 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, on_done: Callback, adapter: str | None = None
-    ) -> None:
-        """Queue a request (thread-safe); ``on_done`` is called from the generation thread.
+        self, jobs: list[tuple[list[int], SamplingParams, Callback]], adapter: str | None = None
+    ) -> list[_Request]:
+        """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe).
 
-        ``max_tokens`` is capped by the room left in the context window; a request that hits
-        that cap finishes with ``"length"`` rather than being refused.
+        ``on_done`` is called from the generation thread. ``max_tokens`` is capped by the room
+        left in the context window; a request that hits that cap finishes with ``"length"``
+        rather than being refused. A full queue refuses the lot with 503.
         """
-        self.check_prompt(prompt_ids)
-        room = self.max_model_len - len(prompt_ids)
-        max_new = min(params.max_tokens or room, room)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        prepared = []
+        for prompt_ids, params, on_done in jobs:
+            self.check_prompt(prompt_ids)
+            room = self.max_model_len - len(prompt_ids)
+            max_new = min(params.max_tokens or room, room)
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+            prepared.append((prompt_ids, params, max_new, stop_ids, on_done))
         with self._cv:
-            request = _Request(next(self._seq), prompt_ids, params, adapter, max_new, stop_ids, on_done)
-            self._waiting.append(request)
+            if len(self._waiting) + len(prepared) > self.max_waiting:
+                raise ApiError(
+                    503,
+                    f"the server's queue is full ({len(self._waiting)} requests waiting, at most "
+                    f"{self.max_waiting}); retry shortly",
+                    {"Retry-After": "1"},
+                )
+            requests = [_Request(next(self._seq), p, sp, adapter, m, s, cb) for p, sp, m, s, cb in prepared]
+            self._waiting.extend(requests)
+            self._cv.notify_all()
+        return requests
+
+    def cancel(self, requests: list[_Request]) -> None:
+        """Abort requests nobody waits for any more (thread-safe): they finish with ``"abort"``,
+        leaving the queue, or the batch before its next decode step."""
+        with self._cv:
+            for request in requests:
+                request.cancelled = True
+            self._cancel_pending = True
             self._cv.notify_all()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
+        if not isinstance(prompt_ids, list) or not prompt_ids:
             raise ApiError(400, "the prompt is empty; send at least one token id")
-        if not all(isinstance(t, int) for t in prompt_ids):
+        if not all(type(t) is int for t in prompt_ids):
             raise ApiError(400, "token_ids must be a list of integers")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ApiError(
@@ -247,6 +283,8 @@ class Scheduler:
                 self._calls.clear()
             for fn, future in calls:
                 self._run_call(fn, future)
+            if self._cancel_pending:
+                self._drop_cancelled()
             if self._can_run():
                 self._step()
             if self._pause == "wait" and self._drained():
@@ -274,7 +312,7 @@ class Scheduler:
             self._batch = None
 
     def _has_work(self) -> bool:
-        if self._stopping or self._calls:
+        if self._stopping or self._calls or self._cancel_pending:
             return True
         if not self._can_run():
             return False
@@ -343,6 +381,7 @@ class Scheduler:
             use_cache=True,
             logits_to_keep=1,
         )
+        self.counters["prefills"] += 1
         sampler = self._sampler(rows)
         result = sampler.sample(out.logits[:, -1, :].float())
         new = _Batch(rows, cache, mask, positions[:, -1] + 1, torch.tensor(result.tokens), sampler)
@@ -351,7 +390,11 @@ class Scheduler:
             new = self._select(new, keep)
         if new is None:
             return
-        self._batch = new if self._batch is None else self._merge(self._batch, new)
+        if self._batch is None:
+            self._batch = new
+            self.counters["peak_running"] = max(self.counters["peak_running"], len(new.rows))
+        else:
+            self._batch = self._merge(self._batch, new)
 
     def _decode_step(self) -> None:
         batch = self._batch
@@ -363,6 +406,7 @@ class Scheduler:
             past_key_values=batch.cache,
             use_cache=True,
         )
+        self.counters["decode_steps"] += 1
         result = batch.sampler.sample(out.logits[:, -1, :].float())
         batch.positions = batch.positions + 1
         batch.last = torch.tensor(result.tokens)
@@ -381,6 +425,7 @@ class Scheduler:
 
     def _record(self, rows: list[_Request], result: SampleResult) -> list[int]:
         """Append each row's new token, finish the rows that are done; return the rows to keep."""
+        self.counters["tokens"] += len(rows)
         keep = []
         for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True)):
             row.token_ids.append(token)
@@ -435,6 +480,8 @@ class Scheduler:
             for (ka, va, *_), (kb, vb, *_) in zip(a.cache, b.cache, strict=True)
         ]
         rows = a.rows + b.rows
+        self.counters["merges"] += 1
+        self.counters["peak_running"] = max(self.counters["peak_running"], len(rows))
         sampler = self._sampler(rows)
         return _Batch(
             rows,
@@ -444,6 +491,21 @@ class Scheduler:
             torch.cat([a.last, b.last]),
             sampler,
         )
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            self._cancel_pending = False
+            gone = [r for r in self._waiting if r.cancelled]
+            self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        if self._batch is not None:
+            gone += [r for r in self._batch.rows if r.cancelled]
+            keep = [i for i, r in enumerate(self._batch.rows) if not r.cancelled]
+            if len(keep) < len(self._batch.rows):
+                self._batch = self._select(self._batch, keep)
+        for request in gone:
+            if not request.done:
+                self.counters["cancelled"] += 1
+                request.finish("abort")
 
     # ------------------------------------------------------------------ pause helpers
     def _abort_through(self, gate: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import threading
 import time
@@ -20,6 +21,11 @@ class InferenceServer:
     ``port=0`` binds a free port; read it from ``url`` after ``start()``. Usable as a context
     manager. The HTTP loop and the generation loop run on two daemon threads, so the caller's
     thread stays free (tests drive it with SkyRL's own client from the same process).
+
+    ``token``: every route but /health requires it (see ``middleware.py``); a server bound to a
+    non-loopback address must have one. ``weights_root``: the only tree weights and adapters are
+    loaded from (None: weight loading is refused). ``max_body_bytes`` and ``max_waiting`` bound
+    what one client can make the server hold (413 and 503 beyond them).
     """
 
     def __init__(
@@ -28,25 +34,39 @@ class InferenceServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        token: str | None = None,
+        weights_root: str | Path | None = None,
         served_model_name: str | None = None,
         max_model_len: int | None = None,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 8192,
+        max_waiting: int = 4096,
+        max_body_bytes: int = 16 << 20,
         dtype: str = "float32",
         seed: int = 0,
         log_level: str = "warning",
     ):
+        if token is None and not is_loopback(host):
+            raise ValueError(
+                f"refusing to serve on {host!r} without a token: anyone who can reach it could drive "
+                "generation and load weights; set a token (RLLM_SKYRL_SERVER_TOKEN for the CLI) or bind "
+                "127.0.0.1"
+            )
         self.host = host
         self.port = port
         self.log_level = log_level
+        self.token = token
+        self.max_body_bytes = max_body_bytes
         self.service = InferenceService(
             model_dir,
             served_model_name=served_model_name,
             max_model_len=max_model_len,
             max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens,
+            max_waiting=max_waiting,
             dtype=dtype,
             seed=seed,
+            weights_root=weights_root,
         )
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -69,7 +89,7 @@ class InferenceServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self.service),
+            build_app(self.service, token=self.token, max_body_bytes=self.max_body_bytes),
             log_level=self.log_level,
             access_log=False,
             timeout_keep_alive=5,  # SkyRL's client keeps idle connections 2 s; outlive that
@@ -108,3 +128,13 @@ class InferenceServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything

@@ -1,23 +1,49 @@
 """The served model behind the HTTP routes: loading, model-name resolution, generation, weight swaps.
 
 Transport-agnostic on purpose: ``app.py`` and ``openai_api.py`` translate HTTP to these calls.
+Chat templating and text tokenization run on a thread of their own, never on the event loop: a
+heavy template or a long text would otherwise stall every other request, ``/health`` included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rllm_skyrl.inference.checks import shown
 from rllm_skyrl.inference.errors import ApiError
 from rllm_skyrl.inference.sampling import SamplingParams
 from rllm_skyrl.inference.scheduler import GenerationResult, Scheduler
-from rllm_skyrl.inference.weights import load_full_weights
+from rllm_skyrl.inference.weights import WeightsRoot, load_full_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+# (the template is the model's own; vLLM likewise refuses request templates by default).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class InferenceService:
@@ -31,8 +57,10 @@ class InferenceService:
         max_model_len: int | None = None,
         max_batch_size: int = 256,
         max_prefill_tokens: int = 8192,
+        max_waiting: int = 4096,
         dtype: str = "float32",
         seed: int = 0,
+        weights_root: str | Path | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,22 +79,28 @@ class InferenceService:
         self.max_model_len = int(max_model_len or limit or 2048)
         self.served_model_name = served_model_name or self.model_dir
         self.base_names = {self.served_model_name, self.model_dir, "default"}
+        self.weights_root = WeightsRoot(weights_root)
         self.scheduler = Scheduler(
             model,
             self.tokenizer,
             max_model_len=self.max_model_len,
             max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens,
+            max_waiting=max_waiting,
             seed=seed,
             can_merge=_full_attention_only(model.config.get_text_config()),
+            weights_root=self.weights_root,
         )
         self.weights_path: str | None = None
+        # One thread: HF fast tokenizers are not safe to encode with from several threads at once.
+        self._text_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rllm-skyrl-templating")
 
     def start(self) -> None:
         self.scheduler.start()
 
     def stop(self) -> None:
         self.scheduler.stop()
+        self._text_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ data plane
     def resolve_model(self, name: str | None) -> str | None:
@@ -84,38 +118,90 @@ class InferenceService:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
     ) -> GenerationResult:
+        return (await self.generate_many([(prompt_ids, params)], adapter))[0]
+
+    async def generate_many(
+        self, jobs: list[tuple[list[int], SamplingParams]], adapter: str | None = None
+    ) -> list[GenerationResult]:
+        """Run ``(prompt_ids, params)`` jobs, queued together (all or none).
+
+        If the awaiting task is cancelled (its client disconnected) or one job fails, the
+        others are cancelled in the scheduler too: nobody is left to read them.
+        """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
+        futures: list[asyncio.Future] = [loop.create_future() for _ in jobs]
 
-        def on_done(outcome: GenerationResult | BaseException) -> None:
-            loop.call_soon_threadsafe(_settle, future, outcome)
+        def settle_on_loop(future: asyncio.Future) -> Callable[[GenerationResult | BaseException], None]:
+            return lambda outcome: loop.call_soon_threadsafe(_settle, future, outcome)
 
-        self.scheduler.submit(prompt_ids, params, on_done, adapter=adapter)
-        return await future
+        requests = self.scheduler.submit(
+            [(prompt, params, settle_on_loop(f)) for (prompt, params), f in zip(jobs, futures, strict=True)],
+            adapter=adapter,
+        )
+        try:
+            return list(await asyncio.gather(*futures))
+        except BaseException:
+            self.scheduler.cancel(requests)
+            raise
 
-    def render_chat(
+    async def render_chat(
         self,
-        messages: list[dict[str, Any]],
+        messages: Any,
         *,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Any = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: Any = None,
     ) -> list[int]:
-        if not isinstance(messages, list) or not messages:
+        """Template and tokenize a chat with the model's own template, off the event loop."""
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}),
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError(400, f"tools must be a list of tool definitions, got {shown(tools)}")
+        extra = chat_template_kwargs or {}
+        if not isinstance(extra, dict):
+            raise ApiError(400, f"chat_template_kwargs must be an object, got {shown(extra)}")
+        if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & set(extra)):
+            raise ApiError(
+                400,
+                f"chat_template_kwargs may not set {reserved}: the server renders with the model's own "
+                "chat template; pass template variables only (e.g. enable_thinking)",
             )
-        except Exception as exc:
-            raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt and not continue_final_message,
+                    continue_final_message=continue_final_message,
+                    **extra,
+                )
+            except Exception as exc:
+                raise ApiError(400, f"the chat template rejected the messages: {exc}") from exc
+            if not isinstance(text, str):
+                raise ApiError(400, "the chat template did not render to text; check messages and tools")
+            return self._encode(text, add_special_tokens=False)
+
+        return await self._on_text_thread(render)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text`` off the event loop."""
+        return await self._on_text_thread(lambda: self._encode(text, add_special_tokens))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._on_text_thread(lambda: self.tokenizer.decode(token_ids))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Truncated one past the context window: a longer prompt is refused all the same, and a
+        # huge text never becomes a huge Python list (whose building would hold the GIL).
+        return self.tokenizer.encode(
+            text, add_special_tokens=add_special_tokens, truncation=True, max_length=self.max_model_len + 1
+        )
+
+    async def _on_text_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._text_thread, fn)
 
     def output_text(self, result: GenerationResult, params: SamplingParams) -> str:
         """Decoded completion, cut before a matched stop string unless asked to keep it."""
@@ -132,7 +218,9 @@ class InferenceService:
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     async def load_weights(self, path: str, weight_version: int | None) -> dict[str, Any]:
-        """Copy a ``save_pretrained`` checkpoint into the served model and record its version."""
+        """Copy a ``save_pretrained`` checkpoint (under the weights root) into the served model
+        and record its version."""
+        directory = self.weights_root.directory(path, "weights")
         if self.scheduler.lora.names:
             raise ApiError(
                 409,
@@ -142,10 +230,10 @@ class InferenceService:
 
         def load() -> dict[str, Any]:
             start = time.perf_counter()
-            load_full_weights(self.scheduler.model, path)
+            load_full_weights(self.scheduler.model, directory, self.weights_root)
             version = self.scheduler.weight_version + 1 if weight_version is None else int(weight_version)
             self.scheduler.weight_version = version
-            self.weights_path = path
+            self.weights_path = str(directory)
             return {
                 "status": "ok",
                 "weight_version": version,

@@ -1,50 +1,117 @@
 """Swapping weights into a live model: full HF checkpoints from the trainer, and LoRA adapters.
 
 Both run on the generation thread between decode steps (see ``Scheduler.call``), so a forward
-pass never sees half-copied weights.
+pass never sees half-copied weights. Both read only under the server's ``WeightsRoot``: a caller
+names a directory, and every file opened from it (shards named by an index included) must
+resolve, symlinks followed, to a path under the root.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+from pathlib import Path, PurePosixPath
 
 import torch
 
+from rllm_skyrl.inference.checks import shown
 from rllm_skyrl.inference.errors import ApiError
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _BIN_INDEX = "pytorch_model.bin.index.json"
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 
-def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read every tensor of a ``save_pretrained`` directory (single file or sharded)."""
+class WeightsRoot:
+    """The directory tree a server may load weights and adapters from (None: load nothing).
+
+    The root is resolved once, at start. A requested path, or a file inside it, is resolved
+    with every symlink followed and must land under the root; otherwise the request gets the
+    same "path outside" answer whether or not the path exists, so the server cannot be used
+    to probe the filesystem.
+    """
+
+    def __init__(self, root: str | Path | None):
+        self.root = Path(os.path.realpath(root)) if root is not None else None
+
+    def directory(self, path: object, what: str) -> Path:
+        """The resolved directory a request names, if it lies under the root."""
+        if self.root is None:
+            raise ApiError(
+                400,
+                f"this server loads no {what}: it was started without --weights-root; restart it with "
+                f"--weights-root DIR and write the {what} under DIR",
+            )
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise ApiError(400, f"the {what} path must be a non-empty string, got {shown(path)}")
+        return self._inside(path)
+
+    def file(self, directory: Path, name: object) -> Path:
+        """A file of ``directory`` by a name read from disk (an index's shard names): a plain
+        relative name, and a file under the root once symlinks are followed."""
+        parts = PurePosixPath(name).parts if isinstance(name, str) and name and "\x00" not in name else ()
+        if not parts or parts[0] == "/" or ".." in parts or "\\" in name:
+            raise ApiError(400, f"file name {shown(name)} in {directory} leaves that directory")
+        return self._inside(str(directory / name))
+
+    def _inside(self, path: str) -> Path:
+        real = Path(os.path.realpath(path))
+        if not real.is_relative_to(self.root):
+            raise ApiError(
+                400,
+                f"path outside {self.root}: the server reads weights only from under that directory "
+                f"(got {shown(path)})",
+            )
+        return real
+
+
+def read_hf_state_dict(directory: Path, root: WeightsRoot) -> dict[str, torch.Tensor]:
+    """Read every tensor of a ``save_pretrained`` directory (single file or sharded) under ``root``."""
+    if not directory.is_dir():
+        raise ApiError(
+            400, f"weights path {str(directory)!r} is not a directory; pass the save_pretrained output dir"
+        )
+    try:
+        return _read_state(directory, root)
+    except ApiError:
+        raise
+    except Exception as exc:  # a torn or foreign file: the caller's checkpoint, not the server, is at fault
+        raise ApiError(
+            400, f"could not read the weights in {str(directory)!r} ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _read_state(directory: Path, root: WeightsRoot) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    root = Path(path)
-    if not root.is_dir():
-        raise ApiError(
-            400, f"weights path {str(root)!r} is not a directory; pass the save_pretrained output dir"
-        )
-    if (root / "model.safetensors").exists():
-        return load_file(root / "model.safetensors")
-    if (root / _SAFETENSORS_INDEX).exists():
-        shards = sorted(set(json.loads((root / _SAFETENSORS_INDEX).read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(root / shard).items()}
-    if (root / _BIN_INDEX).exists():
-        bin_files = sorted(set(json.loads((root / _BIN_INDEX).read_text())["weight_map"].values()))
-    elif (root / "pytorch_model.bin").exists():
-        bin_files = ["pytorch_model.bin"]
+    if (directory / "model.safetensors").exists():
+        return load_file(root.file(directory, "model.safetensors"))
+    if (directory / _SAFETENSORS_INDEX).exists():
+        shards = _index_files(directory, _SAFETENSORS_INDEX, root)
+        return {k: v for shard in shards for k, v in load_file(shard).items()}
+    if (directory / _BIN_INDEX).exists():
+        bin_files = _index_files(directory, _BIN_INDEX, root)
+    elif (directory / "pytorch_model.bin").exists():
+        bin_files = [root.file(directory, "pytorch_model.bin")]
     else:
         raise ApiError(
             400,
-            f"no model.safetensors, {_SAFETENSORS_INDEX} or pytorch_model.bin in {str(root)!r}; "
+            f"no model.safetensors, {_SAFETENSORS_INDEX} or pytorch_model.bin in {str(directory)!r}; "
             "write the weights with model.save_pretrained(dir)",
         )
     state: dict[str, torch.Tensor] = {}
-    for name in bin_files:
-        state.update(torch.load(root / name, map_location="cpu", weights_only=True))
+    for path in bin_files:
+        state.update(torch.load(path, map_location="cpu", weights_only=True))
     return state
+
+
+def _index_files(directory: Path, index_name: str, root: WeightsRoot) -> list[Path]:
+    """The shard files an HF index names, each checked before anything is opened."""
+    index = json.loads(root.file(directory, index_name).read_text())
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ApiError(400, f"{index_name} in {str(directory)!r} has no 'weight_map' object")
+    return [root.file(directory, name) for name in sorted(set(weight_map.values()), key=str)]
 
 
 def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
@@ -59,7 +126,7 @@ def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
     return groups
 
 
-def load_full_weights(model: torch.nn.Module, path: str | Path) -> None:
+def load_full_weights(model: torch.nn.Module, directory: Path, root: WeightsRoot) -> None:
     """Copy a checkpoint into ``model``'s existing tensors (casting dtype), or refuse untouched.
 
     Keys and shapes are checked before anything is copied, so a wrong checkpoint leaves the
@@ -67,7 +134,7 @@ def load_full_weights(model: torch.nn.Module, path: str | Path) -> None:
     (tied embeddings are saved once).
     """
     groups = _tied_groups(model)
-    incoming = read_hf_state_dict(path)
+    incoming = read_hf_state_dict(directory, root)
     for keys in groups:
         present = [key for key in keys if key in incoming]
         for key in keys if present else []:
@@ -83,7 +150,7 @@ def load_full_weights(model: torch.nn.Module, path: str | Path) -> None:
     if missing or unexpected or mismatched:
         raise ApiError(
             400,
-            f"checkpoint at {str(path)!r} does not fit the served model "
+            f"checkpoint at {str(directory)!r} does not fit the served model "
             f"(missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {mismatched[:5]}); "
             "it must come from the same architecture; to serve another one, restart the server with --model",
         )
@@ -124,8 +191,9 @@ class LoraAdapters:
     the new tensors in place, as SkyRL does every training step.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, root: WeightsRoot):
         self.model = model
+        self.root = root
         self._peft = None
         self._active: str | None = None
         self._stale = True
@@ -135,14 +203,30 @@ class LoraAdapters:
         return list(self._peft.peft_config) if self._peft is not None else []
 
     def load(self, name: str, path: str) -> None:
+        """Load (or refresh in place) adapter ``name`` from a ``PeftModel.save_pretrained`` dir."""
+        directory = self.root.directory(path, "LoRA adapters")
+        files = [n for n in _ADAPTER_FILES if (directory / n).exists()]
+        if "adapter_config.json" not in files or len(files) < 2:
+            raise ApiError(
+                400,
+                f"{path!r} needs adapter_config.json and adapter_model.safetensors (or .bin); write the "
+                "adapter with PeftModel.save_pretrained(dir)",
+            )
+        for file in files:
+            self.root.file(directory, file)
+        try:
+            self._load(name, str(directory))
+        except ApiError:
+            raise
+        except Exception as exc:  # an adapter that does not fit this model is the caller's to fix
+            raise ApiError(
+                400, f"could not load the LoRA adapter in {path!r} ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _load(self, name: str, path: str) -> None:
         from peft import PeftConfig, PeftModel
         from peft.utils import load_peft_weights, set_peft_model_state_dict
 
-        if not (Path(path) / "adapter_config.json").exists():
-            raise ApiError(
-                400,
-                f"no adapter_config.json in {path!r}; write the adapter with PeftModel.save_pretrained(dir)",
-            )
         config = PeftConfig.from_pretrained(path)
         self._stale = True
         if self._peft is None:

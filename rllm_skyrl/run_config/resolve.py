@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +21,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import advantages, losses
 from rllm_skyrl.checkpoint import RESUME_MODES
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.aliases import apply_aliases
 from rllm_skyrl.run_config.lora import LoraSettings, resolve_lora
 from rllm_skyrl.run_config.skyrl import make_skyrl_config
 from rllm_skyrl.run_config.tree import select
+from rllm_skyrl.run_config.values import check_values
 
 OUTCOME_ESTIMATORS = advantages.ESTIMATORS
 SUPPORTED_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
@@ -42,7 +45,7 @@ def default_policy_loss(estimator: str) -> str:
 BUILTIN_MODELS = ("tiny", "smollm2")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFacingError):
     """A setting that cannot work; the message names the key, the value and what is allowed."""
 
 
@@ -58,6 +61,29 @@ def resolve_model_path(path: str) -> str:
 
         return str(smollm2_path())
     return path
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_path(key: str, path: Any) -> None:
+    """A model this machine can load: a built-in name, an HF model directory, or a hub id."""
+    if path is None or path in BUILTIN_MODELS:
+        return
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(
+            f"{key}={path!r}: expected an HF model directory, a hub id (org/name), or tiny/smollm2"
+        )
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        if not (directory / "config.json").exists():
+            raise ConfigError(f"{key}={path!r}: the directory has no config.json; give an HF model directory")
+        return
+    if directory.exists() or not _HUB_ID.fullmatch(path):
+        raise ConfigError(
+            f"{key}={path!r}: no such model directory; give an HF model directory, a hub id (org/name) "
+            "on a machine that may download, or tiny/smollm2"
+        )
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
@@ -190,6 +216,11 @@ class RunConfig:
         return Path(self.skyrl.trainer.log_path)
 
     @property
+    def sync_dir(self) -> Path:
+        """Where the trainer writes weights for the servers to load; the servers load nothing else."""
+        return Path(self.checkpoint.root) / "sync"
+
+    @property
     def num_minibatches(self) -> int:
         trainer = self.skyrl.trainer
         return trainer.train_batch_size // trainer.policy_mini_batch_size
@@ -238,12 +269,16 @@ def resolve_run_config(
     platform = platform or Platform.detect()
     try:
         apply_aliases(cfg, cli_overrides)
+        check_values(cfg)
     except ValueError as error:
         raise ConfigError(str(error)) from error
     if OmegaConf.is_missing(cfg, "model.path") or not select(cfg, "model.path"):
         raise ConfigError(
             "model.path is not set; pass model.path=<HF model dir> (or model.name=..., tiny, smollm2)"
         )
+    if resolve_models:
+        for key in ("model.path", "model.critic_path"):
+            check_model_path(key, select(cfg, key))
     try:
         overrides = bridge.skyrl_overrides(cfg, cli_overrides)
     except ValueError as error:

@@ -1,0 +1,124 @@
+"""Identical prompts sampled at the same time become one request for n samples.
+
+rLLM rolls every task out n times at once. Sent one by one through SkyRL's client, that is n
+``/inference/v1/generate`` requests carrying the same prompt, each followed by a ``/detokenize``
+request whose text the engine never reads. SkyRL's client also speaks Tinker's ``sample``: one
+request, ``num_samples`` completions, no detokenize; vLLM and this package's server both serve it.
+``SampleBatcher`` holds each request for a moment, and sends the ones with the same prompt,
+sampling parameters and server as one ``sample`` call; every caller gets one completion.
+
+Only what ``sample`` can carry is batched (Tinker's parameters: temperature, top_p, top_k,
+max_tokens, stop strings and token ids) and never a seeded request (each seed must shape its
+own sample): anything else returns ``None`` and the engine sends it alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+# Our (vLLM) sampling keys -> the keys of SkyRL's Tinker-style sample request.
+_SAMPLE_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_tokens": "max_tokens",
+    "stop": "stop_strings",
+    "stop_token_ids": "stop_tokens",
+}
+# Keys ``sample`` does not carry but that are fine at these values (``logprobs``: it always asks for
+# the sampled token's logprob).
+_NEUTRAL = {"logprobs": (0, None), "n": (1, None)}
+# Requests arriving within this many seconds of the first one with the same key share its call.
+WINDOW_S = 0.002
+# Samples per call: a full group is sent at once and the next caller starts a new one. This
+# package's server serves at most 128 per request (inference.openai_api.MAX_CHOICES).
+MAX_SAMPLES = 128
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    params: dict[str, Any]
+    timer: asyncio.TimerHandle | None = None
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+def sample_params(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The Tinker-style parameters for ``params``, or None when ``sample`` cannot carry them."""
+    if params.get("seed") is not None:
+        return None
+    out = {}
+    for key, value in params.items():
+        if key in _SAMPLE_KEYS:
+            out[_SAMPLE_KEYS[key]] = value
+        elif key == "seed" or value in _NEUTRAL.get(key, ()):
+            continue
+        else:
+            return None
+    return out
+
+
+class SampleBatcher:
+    """Gathers concurrent identical requests per client and sends each group as one ``sample``."""
+
+    def __init__(
+        self, model: str | None = None, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES
+    ) -> None:
+        self.model = model
+        self.window_s = window_s
+        self.max_samples = max_samples
+        self._pending: dict[tuple, _Pending] = {}
+        self.requests_sent = 0  # sample calls made (each serving one or more callers)
+
+    async def sample(self, client: Any, prompt: list[int], params: dict[str, Any]):
+        """``(token_ids, logprobs, stop_reason)`` of one completion, or None if not batchable."""
+        tinker = sample_params(params)
+        if tinker is None:
+            return None
+        key = (id(client), tuple(prompt), tuple(sorted((k, repr(v)) for k, v in tinker.items())))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = _Pending(list(prompt), tinker)
+            pending.timer = loop.call_later(self.window_s, self._send, key, client)
+        pending.waiters.append(future)
+        if len(pending.waiters) >= self.max_samples:
+            pending.timer.cancel()
+            self._send(key, client)
+        return await future
+
+    def _send(self, key: tuple, client: Any) -> None:
+        pending = self._pending.pop(key)
+        asyncio.get_running_loop().create_task(self._call(client, pending))
+
+    async def _call(self, client: Any, pending: _Pending) -> None:
+        self.requests_sent += 1
+        body: dict[str, Any] = {
+            "prompt": {"chunks": [{"tokens": pending.prompt}]},
+            "num_samples": len(pending.waiters),
+            "sampling_params": pending.params,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            response = await client.sample({"json": body})
+        except BaseException as error:  # every caller of the batch sees the failure
+            for waiter in pending.waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+            return
+        sequences = response["sequences"]
+        if len(sequences) != len(pending.waiters):
+            error = RuntimeError(f"asked the server for {len(pending.waiters)} samples, got {len(sequences)}")
+            for waiter in pending.waiters:
+                if not waiter.done():
+                    waiter.set_exception(error)
+            return
+        for waiter, sequence in zip(pending.waiters, sequences, strict=True):
+            if not waiter.done():
+                waiter.set_result((sequence["tokens"], sequence["logprobs"], sequence["stop_reason"]))
