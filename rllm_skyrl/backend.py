@@ -230,7 +230,8 @@ class SkyRLBackend:
     # ------------------------------------------------------------------ hooks
 
     async def on_train_start(self, trainer_state: Any) -> None:
-        """Resume (weights, optimizer, data position, RNG) and put the resumed policy on the servers.
+        """Resume (weights, optimizer, data position, RNG) and put the resumed policy on the servers
+        (a LoRA policy's adapter always: the servers serve it under its adapter name only once loaded).
 
         With ``inference.deterministic_sampling`` every request is seeded (see ``SkyRLEngine``), so
         a resumed run samples exactly what an uninterrupted one would have.
@@ -247,8 +248,8 @@ class SkyRLBackend:
             trainer_state=trainer_state,
         )
         self._last_trained_step = self.resumed_step = resumed
-        if resumed is not None:
-            await self._sync_weights(version=resumed)
+        if resumed is not None or self.run.lora.enabled:  # a LoRA policy is served once it is synced
+            await self._sync_weights(version=resumed or 0)
 
     async def on_epoch_start(self, trainer_state: Any) -> None:
         pass
@@ -322,7 +323,9 @@ class SkyRLBackend:
         return error is not None and error is not getattr(self, "_outer_error", None)
 
     async def _sync_weights(self, version: int) -> None:
-        await self.runtime.sync_weights(version)
+        shipped = await self.runtime.sync_weights(version)
+        if shipped is not None:
+            self.metrics.add({"perf/weight_sync_bytes": shipped})
         self.rollout_engine.weight_version = version
 
     def shutdown(self) -> None:

@@ -66,6 +66,18 @@ class TokenOutput:
     finish_reason: str  # "stop" | "length"
 
 
+def policy_model_name(run: Any) -> str | None:
+    """The ``model`` rollouts name: SkyRL's adapter name for a LoRA policy, else the servers' base model.
+
+    The name is SkyRL's (``resolve_policy_model_name``): the one its weight sync loads the adapter under.
+    """
+    if not run.lora.enabled:
+        return None
+    from skyrl.backends.skyrl_train.inference_servers.utils import resolve_policy_model_name
+
+    return resolve_policy_model_name(run.skyrl)
+
+
 def termination_reason(output: ModelOutput) -> str | None:
     """The rLLM termination reason a finished call implies (a truncated response), if any."""
     return MAX_RESPONSE_LENGTH_EXCEEDED if output.finish_reason == "length" else None
@@ -133,9 +145,21 @@ class SkyRLEngine:
         self._seed_version: int | None = None
 
     @classmethod
-    def from_urls(cls, server_urls: list[str], tokenizer: Any, *, model_name: str = "default", **kwargs: Any):
+    def from_urls(
+        cls,
+        server_urls: list[str],
+        tokenizer: Any,
+        *,
+        model_name: str = "default",
+        uses_lora_weight_sync: bool = False,
+        **kwargs: Any,
+    ):
         """An engine over inference servers addressed directly (no router): one client per server
-        for data, plus one that fans control calls out to all of them."""
+        for data, plus one that fans control calls out to all of them.
+
+        ``uses_lora_weight_sync``: the policy is a LoRA adapter (pass its name as ``model``); SkyRL's
+        client then refuses requests that name no model instead of sampling the base model.
+        """
         from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 
         def make(proxy: str, urls: list[str]) -> RemoteInferenceClient:
@@ -145,6 +169,7 @@ class SkyRLEngine:
                 data_parallel_size=1,
                 model_name=model_name,
                 tokenizer=tokenizer,
+                uses_lora_weight_sync=uses_lora_weight_sync,
             )
 
         if not server_urls:
@@ -166,10 +191,11 @@ class SkyRLEngine:
             chat_template_kwargs={"reasoning_effort": effort} if effort else None,
             disable_thinking=run.rollout.disable_thinking,
             render_with_parser=run.rollout.render_with_parser,
+            model=policy_model_name(run),
         )
         if getattr(servers, "client", None) is not None:
             return cls(servers.client, tokenizer, **engine_args)
-        return cls.from_urls(servers.urls, tokenizer, **engine_args)
+        return cls.from_urls(servers.urls, tokenizer, uses_lora_weight_sync=run.lora.enabled, **engine_args)
 
     @property
     def supports_token_in_token_out(self) -> bool:

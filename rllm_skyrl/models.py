@@ -250,10 +250,25 @@ class ModelRegistry:
         if role == CRITIC and "value_clip" in settings:
             self._critic_value_clip_on_workers = settings["value_clip"]
 
-    def save_hf_model(self, model_id: str, export_dir: str) -> None:
-        """Export the model's current weights as an HF model directory (with the tokenizer)."""
+    def save_hf_model(self, model_id: str, export_dir: str, merged_dir: str | None = None) -> None:
+        """Export the model's current weights as an HF model directory (with the tokenizer).
+
+        A LoRA policy exports its PEFT adapter (``PeftModel.from_pretrained(base, export_dir)``);
+        ``merged_dir`` then also receives the base model with the adapter merged in, which plain
+        transformers loads. A fully trained model is already plain transformers: no ``merged_dir``.
+        """
         role = self.role_of(model_id)
+        lora = getattr(self.workers.cfg.trainer, role).model.lora.rank > 0
+        if merged_dir is not None and not lora:
+            raise ValueError(
+                f"merged_dir: model {model_id!r} trains all its weights (no LoRA adapter to merge); "
+                f"{export_dir} already holds a plain transformers model"
+            )
         self.workers.save_hf_model(role, export_dir)
+        if merged_dir is not None:
+            from rllm_skyrl.lora_merge import merge_adapter
+
+            merge_adapter(export_dir, merged_dir, base_model=self.get(model_id).base_model)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -7,7 +7,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | question | CUDA | CPU |
 |---|---|---|
 | servers (``server_kind``) | SkyRL's vLLM servers | this package's transformers servers |
-| weight sync (``weight_sync_method``) | SkyRL's in-memory transfer | HF save on disk + reload |
+| weight sync (``weight_sync_method``) | SkyRL's own transfer | HF save + reload; LoRA: adapter files |
 | Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | SkyRL patches (``compat_patches``) | tied embeddings; flash-attn stub without it | all three sets |
@@ -30,7 +30,7 @@ from rllm_skyrl.compat import cpu, flash_attn
 CPU_LOGICAL_GPUS = 8
 
 SERVER_KINDS = ("external", "skyrl_vllm", "cpu_transformers")
-SYNC_METHODS = ("skyrl", "disk")
+SYNC_METHODS = ("skyrl", "disk", "lora")
 
 
 @dataclass(frozen=True)
@@ -61,14 +61,18 @@ class Platform:
             return "external"
         return "skyrl_vllm" if self.cuda else "cpu_transformers"
 
-    @property
-    def weight_sync_method(self) -> str:
-        """``skyrl`` (SkyRL's transfer into vLLM) or ``disk`` (HF save, then every server reloads).
+    def weight_sync_method(self, lora: bool = False) -> str:
+        """``skyrl`` on CUDA, ``lora`` or ``disk`` on CPU.
 
-        SkyRL has no from-disk path for full weights and its transfer needs vLLM and CUDA, so on
-        CPU the trainer writes HF weights and calls the server's own reload endpoint.
+        ``skyrl``: ``save_weights_for_sampler``, SkyRL's transfer into vLLM; for a LoRA policy SkyRL
+        writes the adapter and has vLLM load it. On CPU that call cannot run (its set-up needs vLLM),
+        so a LoRA policy takes SkyRL's adapter sync directly (``lora``: the worker writes the adapter
+        and asks every server to load it), and full weights go through ``disk`` (HF save, then the
+        server's own reload endpoint: SkyRL has no from-disk path for full weights).
         """
-        return "skyrl" if self.cuda else "disk"
+        if self.cuda:
+            return "skyrl"
+        return "lora" if lora else "disk"
 
     def ray_resources(self, num_cpus: int | None = None) -> dict[str, Any]:
         """Arguments for a local ``ray.init``: logical GPUs on CPU so SkyRL's placement runs unchanged."""

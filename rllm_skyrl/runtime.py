@@ -204,6 +204,10 @@ class Runtime:
         )
         return runtime
 
+    @property
+    def weight_sync_method(self) -> str:
+        return self.run.platform.weight_sync_method(lora=self.run.lora.enabled)
+
     def mark_first_step(self) -> None:
         if self._first_step_at is None:
             self._first_step_at = time.time()
@@ -228,12 +232,20 @@ class Runtime:
 
     def connect_weight_sync(self, client: Any) -> None:
         """Once the rollout client exists: wire SkyRL's transfer to it, where that is the method."""
-        weight_sync.prepare(self.run.platform.weight_sync_method, self.workers, client)
+        weight_sync.prepare(self.weight_sync_method, self.workers, client)
 
-    async def sync_weights(self, version: int) -> None:
-        """Make every server sample from the workers' current policy, labelled ``version``."""
-        await weight_sync.sync_weights(
-            self.run.platform.weight_sync_method, self.workers, self.servers, self.run.sync_dir, version
+    async def sync_weights(self, version: int) -> int | None:
+        """Make every server sample from the workers' current policy, labelled ``version``.
+
+        Returns the bytes the servers read (None when SkyRL moves the weights in memory).
+        """
+        return await weight_sync.sync_weights(
+            self.weight_sync_method,
+            self.workers,
+            self.servers,
+            self.run.sync_dir,
+            version,
+            lora_sync_path=self.run.lora.sync_path,
         )
 
     def shutdown(self) -> None:

@@ -140,6 +140,18 @@ class SkyRLWorkers:
         """SkyRL's in-memory transfer of the policy's weights into the connected servers."""
         await self.dispatch.save_weights_for_sampler()
 
+    def broadcast_to_inference_engines(self, client) -> None:
+        """The policy workers' own sync into ``client``'s servers, without the GPU transfer set-up.
+
+        For a LoRA policy this is SkyRL's adapter path: rank 0 writes the PEFT adapter to
+        ``trainer.policy.model.lora.lora_sync_path`` and calls ``client.load_lora_adapter``.
+        """
+        ray.get(
+            self._groups["policy"].async_run_ray_method(
+                "pass_through", "broadcast_to_inference_engines", client, self.cfg.generator.inference_engine
+            )
+        )
+
     def save_hf_model(self, role: str, export_dir: str) -> None:
         self.dispatch.save_hf_model(role, export_dir, self.tokenizer)
 

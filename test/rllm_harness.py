@@ -103,9 +103,9 @@ class RecordingBackend(SkyRLBackend):
         self.request_finish_times = finished
         sync = self.runtime.sync_weights
 
-        async def counted(version: int) -> None:
+        async def counted(version: int) -> int | None:
             self.syncs.append((self._hook, version))
-            await sync(version)
+            return await sync(version)
 
         self.runtime.sync_weights = counted
         return engine

@@ -200,12 +200,13 @@ def _backend(tmp_path, save_freq=2):
     from omegaconf import OmegaConf
 
     from rllm_skyrl.backend import SkyRLBackend
-    from rllm_skyrl.run_config import CheckpointSettings, InferenceSettings
+    from rllm_skyrl.run_config import CheckpointSettings, InferenceSettings, LoraSettings
 
     backend = SkyRLBackend(OmegaConf.create({}))
     backend.run = SimpleNamespace(
         checkpoint=CheckpointSettings(root=tmp_path, save_freq=save_freq),
         inference=InferenceSettings(),
+        lora=LoraSettings(),
         async_training=False,
     )
     backend.checkpoints = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)))

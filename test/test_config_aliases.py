@@ -26,6 +26,11 @@ CONFIG_MODULES = ["rllm_skyrl.config"] + (
 VALUES = {
     "model.name": "tiny",
     "actor_rollout_ref.model.path": "tiny",
+    "actor_rollout_ref.model.lora_rank": 8,
+    "actor_rollout_ref.model.lora.rank": 16,
+    "actor_rollout_ref.model.lora_alpha": 32,
+    "actor_rollout_ref.model.lora.alpha": 8,
+    "actor_rollout_ref.model.target_modules": ["q_proj", "v_proj"],
     "critic.model.path": "tiny",
     "training.lr_schedule": "cosine",
     "training.warmup_steps_ratio": 0.25,
@@ -94,6 +99,7 @@ VALUES = {
 # A value each refused key must refuse.
 REFUSED_VALUES = {
     "training.eps": 1e-6,
+    "model.train_unembed": True,
     "data.train_files": "train.parquet",
     "data.val_files": "val.parquet",
     "rollout_engine.renderer_name": "qwen3",

@@ -19,6 +19,13 @@ from rllm_skyrl.workers import SkyRLWorkers
 SAME_POLICY = 1e-4
 
 
+def test_sync_method_follows_the_device_and_lora():
+    assert Platform(cuda=True).weight_sync_method() == "skyrl"
+    assert Platform(cuda=True).weight_sync_method(lora=True) == "skyrl"  # SkyRL's own adapter sync
+    assert Platform(cuda=False).weight_sync_method() == "disk"
+    assert Platform(cuda=False).weight_sync_method(lora=True) == "lora"
+
+
 def test_cuda_path_calls_skyrls_transfer(tmp_path):
     """On CUDA the backend hands weights to SkyRL's own transfer and never writes to disk."""
     calls = []
@@ -33,12 +40,12 @@ def test_cuda_path_calls_skyrls_transfer(tmp_path):
         def save_hf_model(self, *args):
             raise AssertionError("the CUDA path must not save HF weights")
 
-    method = Platform(cuda=True).weight_sync_method
+    method = Platform(cuda=True).weight_sync_method()
     weight_sync.prepare(method, Workers(), "client")
     asyncio.run(weight_sync.sync_weights(method, Workers(), None, tmp_path, version=3))
     assert calls == [("connect_inference", "client"), "save_weights_for_sampler"]
     assert not any(tmp_path.iterdir())
-    cpu = Platform(cuda=False).weight_sync_method
+    cpu = Platform(cuda=False).weight_sync_method()
     weight_sync.prepare(cpu, Workers(), "client")  # the disk path needs no connection
     assert calls == [("connect_inference", "client"), "save_weights_for_sampler"]
 
@@ -85,7 +92,7 @@ def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, t
         stale, trainer_now = _server_vs_trainer(engine, workers, tiny_tokenizer)
         moved = (stale - trainer_now).abs().max()
         assert moved > 100 * SAME_POLICY, "the update should have moved the policy"
-        method = Platform(cuda=False).weight_sync_method
+        method = Platform(cuda=False).weight_sync_method()
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().max() <= SAME_POLICY

@@ -3,10 +3,12 @@
 bridge   rLLM keys <-> SkyRL keys, one table, one precedence rule
 skyrl    SkyRL's typed config from dotted keys, errors naming the whole key
 resolve  the checked, immutable ``RunConfig`` everything downstream reads
+lora     tinker's LoRA keys -> SkyRL's trainer.policy.model.lora (target modules from the model)
 tree     dotted lookups on a composed config
 """
 
 from rllm_skyrl.run_config.bridge import BRIDGE, skyrl_overrides
+from rllm_skyrl.run_config.lora import LoraSettings
 from rllm_skyrl.run_config.resolve import (
     BUILTIN_MODELS,
     RESUME_MODES,
@@ -28,6 +30,7 @@ __all__ = [
     "CheckpointSettings",
     "ConfigError",
     "InferenceSettings",
+    "LoraSettings",
     "RunConfig",
     "make_skyrl_config",
     "resolve_model_path",

@@ -84,6 +84,14 @@ KEYS: tuple[Alias | Refused, ...] = (
     Alias("workflow.n_parallel_tasks", "rllm.workflow.n_parallel_tasks", TINKER),
     Alias("workflow.retry_limit", "rllm.workflow.retry_limit", TINKER),
     Refused(
+        "model.train_unembed",
+        TINKER,
+        "adapters go on attention and MLP layers only (model.train_attn, model.train_mlp): SkyRL hands "
+        "the adapter to vLLM, which adapts lm_head for some architectures only and not when it is tied "
+        "to the input embedding",
+        (None, False),
+    ),
+    Refused(
         "training.eps",
         TINKER,
         "SkyRL's AdamW has no epsilon setting; it uses torch's default 1e-8",
@@ -118,6 +126,11 @@ KEYS: tuple[Alias | Refused, ...] = (
     ),
     # --- rLLM's verl.yaml and the verl keys rLLM syncs into rllm.* --------------------------------
     Alias("actor_rollout_ref.model.path", "model.path", VERL),
+    Alias("actor_rollout_ref.model.lora_rank", "model.lora_rank", VERL),
+    Alias("actor_rollout_ref.model.lora.rank", "model.lora_rank", VERL),
+    Alias("actor_rollout_ref.model.lora_alpha", "model.lora_alpha", VERL),
+    Alias("actor_rollout_ref.model.lora.alpha", "model.lora_alpha", VERL),
+    Alias("actor_rollout_ref.model.target_modules", "model.lora_target_modules", VERL),
     Alias("actor_rollout_ref.actor.optim.lr", "training.learning_rate", VERL),
     Alias("actor_rollout_ref.actor.optim.weight_decay", "training.weight_decay", VERL),
     Alias("actor_rollout_ref.actor.optim.lr_warmup_steps", "rllm.algorithm.warmup_steps", VERL),

@@ -25,6 +25,7 @@ from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.aliases import apply_aliases
+from rllm_skyrl.run_config.lora import LoraSettings, resolve_lora
 from rllm_skyrl.run_config.skyrl import make_skyrl_config
 from rllm_skyrl.run_config.tree import select
 from rllm_skyrl.run_config.values import check_values
@@ -156,6 +157,7 @@ class RunConfig:
     inference: InferenceSettings
     checkpoint: CheckpointSettings
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
     async_training: bool = False
     async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
     warmup_steps_ratio: float = 0.0
@@ -289,6 +291,10 @@ def resolve_run_config(
             if overrides.get(key):
                 overrides[key] = resolve_model_path(overrides[key])
     try:
+        lora = resolve_lora(cfg, overrides, model_path, inspect=resolve_models)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    try:
         skyrl_cfg = make_skyrl_config(overrides, platform)
     except (ValueError, KeyError, TypeError) as error:
         raise ConfigError(
@@ -415,6 +421,7 @@ def resolve_run_config(
             render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),
             reasoning_effort=select(cfg, "rollout_engine.reasoning_effort"),
         ),
+        lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
