@@ -142,7 +142,7 @@ def test_resolved_config_passes_skyrls_validation(platform, estimator):
 )
 def test_platform_picks_servers_and_weight_sync(platform, urls, kind, sync):
     assert platform.server_kind(urls) == kind
-    assert platform.weight_sync_method == sync
+    assert platform.weight_sync_method() == sync
 
 
 def test_this_machine_is_the_cpu_platform():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PAIRS, sft_batch, skyrl_config
 from hydra import compose, initialize_config_module
 from rllm_harness import (
     DIGITS,
@@ -26,7 +27,6 @@ from rllm_harness import (
     syncs_by_hook,
 )
 from test_weight_sync import _server_vs_trainer
-from test_workers_cpu import PAIRS, config, sft_batch
 from training_runs import Run, assert_ok, launch, train_env, train_task_ids_by_step, wait
 
 from rllm_skyrl import weight_sync
@@ -77,7 +77,7 @@ def test_tinker_keys_adapt_exactly_the_attention_and_mlp_layers(tiny_model_dir, 
     run = resolve("model.lora_rank=8", "model.lora_alpha=32", *overrides)
     lora = run.skyrl.trainer.policy.model.lora
     assert (lora.rank, lora.alpha, run.lora.enabled) == (8, 32, True)
-    assert Path(lora.lora_sync_path).is_absolute()
+    assert Path(lora.lora_sync_path) == run.sync_dir.resolve() / "lora"  # where the CPU servers may read
     layers = module_kinds(tiny_model_dir)
     adapted = matched_modules(lora.target_modules, list(layers))
     assert {layers[name] for name in adapted} == kinds
@@ -145,6 +145,10 @@ def test_verl_keys_reach_the_lora_settings():
         (
             ("model.lora_rank=8", "rllm.algorithm.kl_beta=0.1", "+skyrl.trainer.ref.model.lora.rank=4"),
             "skyrl.trainer.ref.model.lora.rank=4: SkyRL's reference worker never reads it",
+        ),
+        (
+            ("model.lora_rank=8", "skyrl.trainer.policy.model.lora.lora_sync_path=/tmp/adapters"),
+            "this package's CPU servers load adapters only from under the run's sync directory",
         ),
     ],
 )
@@ -255,10 +259,10 @@ def trained(ray_cluster, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
         "trainer.policy.model.lora.lora_sync_path": str(lora_sync),
     }
     lr = {"trainer.policy.optimizer_config.lr": LR}
-    lora = SkyRLWorkers(config(tiny_model_dir, root / "lora", **lr, **lora_settings), tiny_tokenizer)
-    full = SkyRLWorkers(config(tiny_model_dir, root / "full", **lr), tiny_tokenizer)
-    lora_server = start_cpu_servers(tiny_model_dir, 1, root / "lora_server")
-    full_server = start_cpu_servers(tiny_model_dir, 1, root / "full_server")
+    lora = SkyRLWorkers(skyrl_config(tiny_model_dir, root / "lora", **lr, **lora_settings), tiny_tokenizer)
+    full = SkyRLWorkers(skyrl_config(tiny_model_dir, root / "full", **lr), tiny_tokenizer)
+    lora_server = start_cpu_servers(tiny_model_dir, 1, root / "lora_server", weights_root=root)
+    full_server = start_cpu_servers(tiny_model_dir, 1, root / "full_server", weights_root=root)
     engine_args = dict(max_prompt_length=64, max_response_length=6)
     lora_engine = SkyRLEngine.from_urls(
         lora_server.urls, tiny_tokenizer, model="skyrl-lora", uses_lora_weight_sync=True, **engine_args
@@ -423,9 +427,11 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 
 # ---------------------------------------------------------------------------- under the real rLLM
 
-# LoRA on the random-init tiny model learns the digit task at a higher learning rate than full
-# fine-tuning (1e-3): the adapters start at zero and carry a rank-8 share of each update.
-LEARNING_LR, LEARNING_STEPS = 5e-3, 200
+# LoRA is for pretrained models: on the random-init tiny model the frozen random embeddings and
+# head leave the adapters almost nothing to steer (rank 8 or 32: reward ~0.005 -> ~0.005 in 200 steps).
+# The learning test therefore adapts SmolLM2-135M-Instruct, which knows digits but, asked "which
+# number is 7?", starts its answer with "7" in ~15% of samples (it prefers "This number...").
+LEARNING_LR, LEARNING_STEPS = 1e-3, 40
 
 
 @requires_rllm
@@ -453,7 +459,7 @@ def test_tinker_lora_keys_train_under_rllm(ray_cluster, tmp_path):
     adapter = tmp_path / "ckpt" / "global_step_3" / "policy" / "lora_adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    adapter_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "lora_sync").iterdir())
+    adapter_bytes = sum(f.stat().st_size for f in (tmp_path / "ckpt" / "sync" / "lora").iterdir())
     for record in records:
         assert record["perf/weight_sync_bytes"] == adapter_bytes
         assert record["train/logprob_abs_diff/max"] < 1e-3
@@ -462,23 +468,35 @@ def test_tinker_lora_keys_train_under_rllm(ray_cluster, tmp_path):
 @requires_rllm
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_a_lora_policy_learns_the_digit_task_under_rllm(ray_cluster, tmp_path):
+def test_a_lora_policy_learns_to_answer_with_the_number_first(ray_cluster, tmp_path):
+    """SmolLM2 with rank-16 adapters on attention and MLP, under rLLM: the reward (the answer starts
+    with the number asked about) rises from ~0.15 to above 0.8."""
     from rllm.workflows.simple_workflow import SimpleWorkflow
 
     cfg = rllm_config(
         tmp_path,
         *DIGITS,
-        "model.lora_rank=8",
+        "model.name=smollm2",
+        "model.lora_rank=16",
+        "model.lora_alpha=32",
         f"training.learning_rate={LEARNING_LR}",
-        "training.group_size=32",
+        "data.max_response_length=2",
+        "training.group_size=8",
         "validation.group_size=4",
-        "data.train_batch_size=16",
+        "data.train_batch_size=4",
+        "skyrl.trainer.micro_train_batch_size_per_gpu=32",
+        "skyrl.trainer.micro_forward_batch_size_per_gpu=32",
         f"rllm.trainer.total_batches={LEARNING_STEPS}",
         "rllm.trainer.test_freq=0",
         "rllm.trainer.val_before_train=false",
     )
-    run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
+    rows = [{**row, "question": f"Which number is {row['answer']}?"} for row in digit_rows(4096)]
+    run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, rows)
     records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
-    start, end = last_mean(records[:10], "reward/mean"), last_mean(records, "reward/mean")
-    print(f"\nLoRA rank 8 on the digit task: reward {start:.3f} (first 10 steps) -> {end:.3f} (last 10)")
+    start, end = last_mean(records[:5], "reward/mean", 5), last_mean(records, "reward/mean", 5)
+    curve = " ".join(f"{r['reward/mean']:.2f}" for r in records)
+    print(
+        f"\nLoRA rank 16 on SmolLM2, number first: reward {start:.3f} (first 5 steps) -> {end:.3f} "
+        f"(last 5)\n{curve}"
+    )
     assert start <= 0.3 and end >= 0.8

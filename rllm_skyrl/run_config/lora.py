@@ -155,8 +155,10 @@ def resolve_lora(
         model_path, explicit, switches["model.train_attn"], switches["model.train_mlp"], inspect
     )
     overrides[_POLICY + "target_modules"] = targets if isinstance(targets, str) else list(targets)
-    # The servers read the adapter from this path: absolute, so their working directory does not matter.
-    sync_path = str(Path(overrides.get(_POLICY + "lora_sync_path") or "lora_sync").resolve())
+    # The servers read the adapter from this path: absolute, so their working directory does not
+    # matter; by default in the run's sync directory, the one tree this package's servers load from.
+    default = Path(overrides.get("trainer.ckpt_path") or ".") / "sync" / "lora"
+    sync_path = str(Path(overrides.get(_POLICY + "lora_sync_path") or default).resolve())
     overrides[_POLICY + "lora_sync_path"] = sync_path
     return LoraSettings(
         rank=rank, alpha=alpha, dropout=float(dropout), target_modules=targets, sync_path=sync_path

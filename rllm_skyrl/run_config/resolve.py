@@ -294,6 +294,14 @@ def resolve_run_config(
         lora = resolve_lora(cfg, overrides, model_path, inspect=resolve_models)
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    sync_dir = (Path(overrides.get("trainer.ckpt_path") or ".") / "sync").resolve()
+    serves_here = platform.server_kind(select(cfg, "inference.urls")) == "cpu_transformers"
+    if lora.enabled and serves_here and not Path(lora.sync_path).is_relative_to(sync_dir):
+        raise ConfigError(
+            f"skyrl.trainer.policy.model.lora.lora_sync_path={lora.sync_path!r}: this package's CPU "
+            f"servers load adapters only from under the run's sync directory {sync_dir}; drop the key "
+            "(the adapter then goes to sync/lora there)"
+        )
     try:
         skyrl_cfg = make_skyrl_config(overrides, platform)
     except (ValueError, KeyError, TypeError) as error:
