@@ -127,6 +127,9 @@ def main() -> None:
         help="stop each side once its windowed reward reaches the target (saves time on a loaded machine)",
     )
     parser.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="interpreter with trl installed")
+    parser.add_argument(
+        "--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's, one per core)"
+    )
     parser.add_argument("--sides", nargs="+", choices=("trl", "ours"), default=["trl", "ours"])
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per side")
     parser.add_argument("--out", type=Path, default=None, help="keep logs and records here")
@@ -151,6 +154,8 @@ def main() -> None:
             records.unlink(missing_ok=True)
             argv = [args.trl_python, "-m", "bench.trl_grpo", "--model", str(model), "--records", str(records)]
             argv += ["--output-dir", str(out / "trl"), "--steps", str(args.steps)]
+            if args.trl_threads:
+                argv += ["--threads", str(args.trl_threads)]
         else:
             run_dir = out / "ours"
             records = run_dir / "metrics.jsonl"

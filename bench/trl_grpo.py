@@ -107,7 +107,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     rows = make_rows(4096, seed=0)  # examples/simple_math/config.yaml: dataset.train_rows, dataset.seed
     dataset = Dataset.from_list(
