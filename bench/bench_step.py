@@ -38,13 +38,24 @@ from examples.simple_math.task import make_rows
 ROOT = Path(__file__).resolve().parent.parent
 AFTER_STEP = ("weight_sync", "save_checkpoint")  # on_batch_end: after time/step, before the record
 SHAPES: dict[str, dict] = {
-    "tiny": {"prompts": 16, "samples": 32, "new_tokens": 2, "exact_tokens": False, "overrides": []},
+    # micro_batch: sequences per forward/backward (the example sets 512: the whole tiny batch at once)
+    "tiny": {
+        "prompts": 16,
+        "samples": 32,
+        "new_tokens": 2,
+        "exact_tokens": False,
+        "micro_batch": 512,
+        "overrides": [],
+    },
     "smollm2": {
         "prompts": 8,
         "samples": 8,
         "new_tokens": 64,
         "exact_tokens": True,
+        "micro_batch": 8,  # 64 sequences at once need ~11 GB in the training worker (49K vocab logits)
         "overrides": [
+            "skyrl.trainer.micro_train_batch_size_per_gpu=8",
+            "skyrl.trainer.micro_forward_batch_size_per_gpu=8",
             "model.path=smollm2",
             "rllm.data.train_batch_size=8",
             "training.group_size=8",
@@ -135,11 +146,17 @@ def bare_compute(model_dir: Path, shape: dict, repeats: int) -> dict[str, float]
         tokens.append(response_mask.sum().item())
         start = time.perf_counter()
         attention = torch.cat([inputs["attention_mask"], response_mask.long()], dim=1)
-        logits = model(sequences, attention_mask=attention).logits[:, -response.shape[1] - 1 : -1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, response[..., None]).squeeze(-1)
-        advantages = torch.randn(logprobs.shape[0], 1)
-        loss = -(advantages * logprobs * response_mask).sum() / response_mask.sum()  # token mean
-        loss.backward()
+        advantages = torch.randn(sequences.shape[0], 1)
+        for rows in torch.split(torch.arange(sequences.shape[0]), shape["micro_batch"]):
+            logits = model(sequences[rows], attention_mask=attention[rows]).logits[
+                :, -response.shape[1] - 1 : -1
+            ]
+            logprobs = torch.log_softmax(logits, -1).gather(-1, response[rows, :, None]).squeeze(-1)
+            mask = response_mask[rows]
+            loss = (
+                -(advantages[rows] * logprobs * mask).sum() / response_mask.sum()
+            )  # token mean, whole batch
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
