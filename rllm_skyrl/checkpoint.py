@@ -38,6 +38,7 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,11 @@ def _refuse_foreign_writers(path: Path) -> None:
             f"{path} is owned by another user or writable by others, and resuming unpickles what it "
             "holds (code execution); fix its owner and mode (chmod go-w) or resume from a copy you own"
         )
+
+# Crash tests' seam: called with (step, temporary directory) once a save has written and flushed
+# every part and before it publishes them, so a test can kill the run at exactly that point.
+# None in every real run.
+before_publish: Callable[[int, Path], None] | None = None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -246,6 +252,8 @@ class CheckpointManager:
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
         _fsync_tree(tmp)
+        if before_publish is not None:
+            before_publish(step, tmp)
         old = None
         if final.exists():  # re-saving a step (after resuming from an older one): replace it whole
             old = self.root / f"{_OLD}{step}_{os.getpid()}"

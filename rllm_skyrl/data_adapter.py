@@ -225,6 +225,8 @@ def _trajectory_rows(
     label = trajectory_label(group, traj_index)
     group_id = check_group_id(group, label)
     steps = check_trajectory(trajectory, label, config)
+    # The reward first: a bad reward is the usual cause of a bad advantage, so it is what to name.
+    reward = outcome_reward(trajectory, label, config)
     scalar = None
     if advantage is not _NO_ADVANTAGE:
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
@@ -252,7 +254,6 @@ def _trajectory_rows(
                     f"more than max_seq_len={config.max_seq_len}",
                     "raise max_seq_len or cap the rollout's prompt and response lengths",
                 )
-    reward = outcome_reward(trajectory, label, config)
     for row in rows:
         row.reward = reward
     return rows, len(steps)

@@ -32,12 +32,16 @@ _SAMPLE_KEYS = {
 _NEUTRAL = {"logprobs": (0, None), "n": (1, None)}
 # Requests arriving within this many seconds of the first one with the same key share its call.
 WINDOW_S = 0.002
+# Samples per call: a full group is sent at once and the next caller starts a new one. This
+# package's server serves at most 128 per request (inference.openai_api.MAX_CHOICES).
+MAX_SAMPLES = 128
 
 
 @dataclass
 class _Pending:
     prompt: list[int]
     params: dict[str, Any]
+    timer: asyncio.TimerHandle | None = None
     waiters: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -59,9 +63,12 @@ def sample_params(params: dict[str, Any]) -> dict[str, Any] | None:
 class SampleBatcher:
     """Gathers concurrent identical requests per client and sends each group as one ``sample``."""
 
-    def __init__(self, model: str | None = None, window_s: float = WINDOW_S) -> None:
+    def __init__(
+        self, model: str | None = None, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES
+    ) -> None:
         self.model = model
         self.window_s = window_s
+        self.max_samples = max_samples
         self._pending: dict[tuple, _Pending] = {}
         self.requests_sent = 0  # sample calls made (each serving one or more callers)
 
@@ -71,12 +78,16 @@ class SampleBatcher:
         if tinker is None:
             return None
         key = (id(client), tuple(prompt), tuple(sorted((k, repr(v)) for k, v in tinker.items())))
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         pending = self._pending.get(key)
         if pending is None:
             pending = self._pending[key] = _Pending(list(prompt), tinker)
-            asyncio.get_running_loop().call_later(self.window_s, self._send, key, client)
+            pending.timer = loop.call_later(self.window_s, self._send, key, client)
         pending.waiters.append(future)
+        if len(pending.waiters) >= self.max_samples:
+            pending.timer.cancel()
+            self._send(key, client)
         return await future
 
     def _send(self, key: tuple, client: Any) -> None:

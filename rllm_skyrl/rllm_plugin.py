@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl.optional_deps import require
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "skyrl"
 _TRAINER_MODULE = "rllm.trainer.unified_trainer"
@@ -92,7 +95,13 @@ class SkyRLTrainerLauncher:
         the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
         """
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.launcher import finish_run, hydra_cli_overrides, one_line_errors, quiet_libraries
+        from rllm_skyrl.launcher import (
+            clean_stop,
+            finish_run,
+            hydra_cli_overrides,
+            one_line_errors,
+            quiet_libraries,
+        )
         from rllm_skyrl.run_log import mirror_logger
         from rllm_skyrl.secret_masking import mask_process_output
 
@@ -104,31 +113,51 @@ class SkyRLTrainerLauncher:
             from rllm_skyrl.backend import SkyRLBackend
 
             backend_cls = SkyRLBackend
-        trainer = None
-        try:
-            with one_line_errors():
-                trainer = unified.UnifiedTrainer(
-                    backend_cls=backend_cls,
-                    config=self.config,
-                    workflow_class=self.workflow_class,
-                    train_dataset=self.train_dataset,
-                    val_dataset=self.val_dataset,
-                    workflow_args=self.workflow_args,
-                    backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
-                    store=self.store,
-                    **self.kwargs,
-                )
-            run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
-            mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
-            trainer.fit()
-        finally:
-            if trainer is not None:
-                trainer.shutdown()
-            else:  # the trainer failed to build after the backend had started its runtime
-                from rllm_skyrl.backend import SkyRLBackend
+        with clean_stop():
+            trainer = None
+            try:
+                with one_line_errors():
+                    trainer = unified.UnifiedTrainer(
+                        backend_cls=backend_cls,
+                        config=self.config,
+                        workflow_class=self.workflow_class,
+                        train_dataset=self.train_dataset,
+                        val_dataset=self.val_dataset,
+                        workflow_args=self.workflow_args,
+                        backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
+                        store=self.store,
+                        **self.kwargs,
+                    )
+                run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
+                mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
+                trainer.fit()
+            finally:
+                if trainer is not None:
+                    trainer.shutdown()
+                else:  # the trainer failed to build after the backend had started its runtime
+                    from rllm_skyrl.backend import SkyRLBackend
 
-                SkyRLBackend.shutdown_all()
-        finish_run(run_dir)
+                    SkyRLBackend.shutdown_all()
+            finish_run(run_dir)
+
+
+def _selected_backend(argument: str | None, config: Any) -> str | None:
+    """The backend to build: the config group the user picked wins over a name fixed in code.
+
+    Several of rLLM's example scripts pass ``AgentTrainer(backend="tinker")`` while their shell
+    scripts choose the config group; with ``rllm/backend=skyrl`` the composed config only has this
+    backend's keys, so building tinker's launcher from it could only fail.
+    """
+    chosen = OmegaConf.select(config, "rllm.backend") if isinstance(config, DictConfig) else None
+    if chosen == BACKEND_NAME and argument != BACKEND_NAME:
+        logger.warning(
+            "AgentTrainer(backend=%r) with the config composed for rllm/backend=%s: training with %s",
+            argument,
+            BACKEND_NAME,
+            BACKEND_NAME,
+        )
+        return BACKEND_NAME
+    return argument
 
 
 def register() -> None:
@@ -148,7 +177,7 @@ def register() -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        if arguments.pop("backend", None) != BACKEND_NAME:
+        if _selected_backend(arguments.pop("backend", None), arguments.get("config")) != BACKEND_NAME:
             original(self, *args, **kwargs)
             return
         arguments.pop("self")

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model built once per session, one Ray for every test that asks for it."""
+"""Shared fixtures: a tiny model built once per session, one CPU inference server and one Ray for
+every test that asks for them."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tiny_model_dir):
+    """One in-process CPU inference server on the tiny model, shared by every test that asks for it.
+
+    Tests that pause, sleep or patch it put it back as they found it.
+    """
+    from rllm_skyrl.inference import InferenceServer
+
+    with InferenceServer(tiny_model_dir) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
+from helpers import Step, Trajectory, TrajectoryGroup, group_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
@@ -18,7 +19,6 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
     ppo_policy_loss,
 )
 from skyrl.train.config import AlgorithmConfig
-from test_data_adapter import Step, Trajectory, TrajectoryGroup, group_of
 
 from rllm_skyrl.advantages import (
     LOSS_REDUCTIONS,

@@ -1,13 +1,16 @@
-"""SkyRLBackend end to end on CPU: config checks, masks that reach SkyRL, and GRPO that learns."""
+"""SkyRLBackend end to end on CPU: config checks, masks that reach SkyRL, and GRPO that learns (slow).
+
+The options that shape an update (mini-batches, epochs, KL, old logprobs, filtering) are covered
+in ``test_update_paths.py``.
+"""
 
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir, initialize_config_module
+from helpers import compose_example, compose_unified, run_dirs
 
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
@@ -17,32 +20,13 @@ from rllm_skyrl.standalone.workflow import SingleTurnWorkflow, Workflow, task_me
 from rllm_skyrl.types import Episode, Step, Trajectory
 from rllm_skyrl.workers import SkyRLWorkers
 
-EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
-
 
 def unified_config(tmp_path, *overrides: str):
-    with initialize_config_module(config_module="rllm_skyrl.config", version_base=None):
-        return compose(
-            "unified",
-            overrides=[
-                "model.path=tiny",
-                f"training.default_local_dir={tmp_path}/ckpt",
-                f"rllm.trainer.run_dir={tmp_path}/run",
-                *overrides,
-            ],
-        )
+    return compose_unified(*run_dirs(tmp_path), *overrides)
 
 
 def example_config(tmp_path, *overrides: str):
-    with initialize_config_dir(config_dir=str(EXAMPLE_DIR), version_base=None):
-        return compose(
-            "config",
-            overrides=[
-                f"training.default_local_dir={tmp_path}/ckpt",
-                f"rllm.trainer.run_dir={tmp_path}/run",
-                *overrides,
-            ],
-        )
+    return compose_example("simple_math", *run_dirs(tmp_path), *overrides)
 
 
 # --------------------------------------------------------------------------- no Ray
@@ -69,8 +53,7 @@ def test_validate_config_names_the_offending_key(tmp_path, override, message):
 
 
 def test_validate_config_requires_a_model(tmp_path):
-    with initialize_config_module(config_module="rllm_skyrl.config", version_base=None):
-        cfg = compose("unified")
+    cfg = compose_unified(model=None)
     with pytest.raises(ValueError, match="model.path"):
         SkyRLBackend(cfg).validate_config()
 
@@ -186,6 +169,7 @@ def test_two_turn_masks_reach_skyrl(tmp_path, recorded_batches, recorded_groups)
             assert observation_advantages.abs().sum() == 0, "observation tokens must carry no advantage"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_grpo_learns_the_digit_task(tmp_path):
     """Reward climbs from chance (<= 0.3) to >= 0.8 through the whole stack on CPU."""

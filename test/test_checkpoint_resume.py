@@ -21,12 +21,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import descendants, reap, wait_until
 from training_runs import (
     Run,
     assert_ok,
-    descendants,
     launch,
-    reap,
     train_env,
     train_task_ids_by_step,
     wait,
@@ -314,6 +313,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(digits_runs):
     kill = digits_runs.kill
     assert digits_runs.killed.returncode == -signal.SIGKILL
     assert kill.tmp_dir.startswith(".tmp_global_step_3_")
+    assert kill.tmp_contents == ["policy", STATE_FILE], "the run was killed before its save was complete"
     assert kill.latest_after == "global_step_2"
     assert "global_step_3" not in kill.listing_after, f"the interrupted save was published: {kill}"
     assert {"global_step_1", "global_step_2"} <= set(kill.listing_after)
@@ -380,14 +380,12 @@ def test_a_killed_worker_fails_the_run_clearly_and_auto_resume_continues(tmp_pat
     started = time.monotonic()
     process = launch(run, overrides, env)
     latest = run.run_dir / "checkpoints" / LATEST
-    deadline = time.monotonic() + 600
-    victim = []
-    while not victim:  # once step 2 is saved, kill the policy worker inside a forward_backward
-        assert process.poll() is None, run.text[-4000:]
-        assert time.monotonic() < deadline, run.text[-4000:]
-        if latest.exists():
-            victim = _policy_worker(process.pid, "forward_backward")
-        time.sleep(0.01)
+
+    def busy_policy_worker():  # once step 2 is saved: the policy worker, inside a forward_backward
+        assert process.poll() is None, f"the run ended first:\n{run.text[-4000:]}"
+        return latest.exists() and _policy_worker(process.pid, "forward_backward")
+
+    victim = wait_until(busy_policy_worker, 600, "a policy worker in forward_backward after step 2")
     tree = descendants(process.pid)
     victim[0].kill()
     killed_at = time.monotonic()

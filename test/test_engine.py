@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 
 import aiohttp
 import pytest
 import torch
+from helpers import async_wait_until
 
 from rllm_skyrl.compat import rllm
 from rllm_skyrl.engine import (
@@ -20,15 +23,22 @@ from rllm_skyrl.engine import (
 from rllm_skyrl.inference import InferenceServer
 
 MESSAGES = [{"role": "user", "content": "what is 3 plus 4?"}]
+WAIT = 60.0  # seconds any one wait on a server may take before the test fails
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The in-process servers run the tiny model, where per-op overhead dominates: extra threads
+    only contend with the test's own."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    with InferenceServer(tiny_model_dir) as srv:
-        yield srv
+    yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def server(cpu_server):
+    return cpu_server
 
 
 def make_engine(server, tokenizer, urls=None, **kwargs) -> SkyRLEngine:
@@ -122,7 +132,34 @@ def test_token_in_token_out(server, tiny_tokenizer):
     assert out.prompt_ids == prompt and out.completion_ids == token_output.token_ids
 
 
-def test_abort_during_weight_sync_is_resumed(server, tiny_tokenizer):
+async def server_stats(url: str) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/rllm_skyrl/v1/stats") as response:
+            return await response.json()
+
+
+def hold_generation_until_a_control_call(monkeypatch, server, after_steps: int) -> threading.Event:
+    """Make the server's generation thread stop after ``after_steps`` decode steps and wait there
+    until a control call (pause, ...) is queued, so that call lands mid-request whatever the
+    machine's speed. The returned event is set once the thread holds."""
+    scheduler = server.service.scheduler
+    decode = scheduler._decode_step
+    holding = threading.Event()
+    steps = itertools.count(1)
+
+    def gated_decode_step() -> None:
+        decode()
+        if next(steps) == after_steps:
+            holding.set()
+            with scheduler._cv:
+                queued = scheduler._cv.wait_for(lambda: scheduler._calls or scheduler._stopping, timeout=WAIT)
+            assert queued, "no control call reached the server"
+
+    monkeypatch.setattr(scheduler, "_decode_step", gated_decode_step)
+    return holding
+
+
+def test_abort_during_weight_sync_is_resumed(server, tiny_tokenizer, monkeypatch):
     engine = make_engine(server, tiny_tokenizer, max_response_length=450)
 
     client = engine.data_clients[0]
@@ -133,39 +170,79 @@ def test_abort_during_weight_sync_is_resumed(server, tiny_tokenizer):
         return await type(client).generate(client, input_batch, model=model)
 
     client.generate = counting_generate
+    holding = hold_generation_until_a_control_call(monkeypatch, server, after_steps=3)
 
     async def scenario(e: SkyRLEngine):
         task = asyncio.create_task(e.get_model_response(MESSAGES, min_tokens=450))
-        async with aiohttp.ClientSession() as session:
-            while not (await (await session.get(f"{server.url}/rllm_skyrl/v1/stats")).json())["running"]:
-                await asyncio.sleep(0.002)
-        await e.client.pause(mode="abort")
-        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(holding.wait, WAIT), "the request never started decoding"
+        await e.client.pause(mode="abort")  # the held request is aborted with its partial completion
+        # The engine resubmits at once; the paused server queues it until the resume.
+        await async_wait_until(lambda: resubmitted(server.url), WAIT, "the resubmitted request to queue")
         await e.client.resume()
         return await task
 
     out = run(engine, scenario)
     assert out.completion_length == len(out.logprobs) == 450 and out.finish_reason == "length"
     # The aborted call was resubmitted with its partial completion appended to the prompt.
-    assert len(calls) == 2 and calls[1] > calls[0] == out.prompt_length
+    assert len(calls) == 2 and calls[0] == out.prompt_length
+    assert calls[1] - calls[0] >= 3, "the partial completion must be carried over"
 
 
-def test_sleep_wake_and_multi_server_routing(server, tiny_tokenizer):
-    engine = make_engine(server, tiny_tokenizer, urls=[server.url, server.url])
-    assert len(engine.data_clients) == 2
+async def resubmitted(url: str) -> bool:
+    stats = await server_stats(url)
+    return stats["paused"] and stats["waiting"] >= 1
 
-    async def scenario(e: SkyRLEngine):
-        await e.sleep()
-        asleep = await e.client.is_sleeping()
-        await e.wake_up()
-        awake = not await e.client.is_sleeping()
-        outs = await asyncio.gather(
-            *(e.get_model_response(MESSAGES, application_id=f"t:{i}") for i in range(4))
-        )
-        return asleep, awake, outs
 
-    asleep, awake, outs = run(engine, scenario)
-    assert asleep and awake and all(o.completion_length >= 1 for o in outs)
+def record_generate_calls(monkeypatch, servers) -> list[tuple[int, str]]:
+    """(server index, prompt text) for every generate request each server receives."""
+    received: list[tuple[int, str]] = []
+    for index, srv in enumerate(servers):
+        original = srv.service.generate
+
+        async def recording(prompt_ids, *args, _index=index, _original=original, _srv=srv, **kwargs):
+            received.append((_index, _srv.service.tokenizer.decode(prompt_ids)))
+            return await _original(prompt_ids, *args, **kwargs)
+
+        monkeypatch.setattr(srv.service, "generate", recording)
+    return received
+
+
+def test_sleep_wake_and_routing_over_two_servers(server, tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """Control calls reach both servers; a session's requests stay on one server, and requests
+    without a session are spread over both."""
+    with InferenceServer(tiny_model_dir) as second:
+        servers = [server, second]
+        received = record_generate_calls(monkeypatch, servers)
+        engine = make_engine(server, tiny_tokenizer, urls=[s.url for s in servers], max_response_length=2)
+        assert len(engine.data_clients) == 2
+        sessions = [f"task-{i}:0" for i in range(8)]
+
+        async def conversation(e: SkyRLEngine, session: str):
+            for turn in range(3):
+                message = [{"role": "user", "content": f"{session} turn {turn}"}]
+                await e.get_model_response(message, application_id=session)
+
+        async def scenario(e: SkyRLEngine):
+            await e.sleep()
+            asleep = [(await server_stats(s.url))["sleeping"] for s in servers]
+            await e.wake_up()
+            awake = [(await server_stats(s.url))["sleeping"] for s in servers]
+            await asyncio.gather(*(conversation(e, session) for session in sessions))
+            messages = [[{"role": "user", "content": f"no session {i}"}] for i in range(4)]
+            await asyncio.gather(*(e.get_model_response(m) for m in messages))
+            return asleep, awake
+
+        asleep, awake = run(engine, scenario)
+
+    assert all(asleep) and not any(awake), (asleep, awake)
+    by_session = {
+        session: {index for index, text in received if f"{session} turn" in text} for session in sessions
+    }
+    assert all(len(where) == 1 for where in by_session.values()), by_session
+    assert all(sum(f"{session} turn" in text for _, text in received) == 3 for session in sessions)
+    assert {where for (where,) in by_session.values()} == {0, 1}, "sessions must use both servers"
+    unbound = [index for index, text in received if "no session" in text]
+    assert sorted(unbound) == [0, 0, 1, 1], "requests without a session must alternate"
 
 
 def test_reasoning_and_tool_calls_are_parsed(tiny_tokenizer):

@@ -120,3 +120,19 @@ def test_checkpoint_disk_full_mid_save(tmp_path):
         assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp_")]  # no half-written save left
     finally:
         subprocess.run(["umount", "-l", str(ckpt)], capture_output=True)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_stopped_run_leaves_no_process_within_10_s(tmp_path, how):
+    """``kill <driver>`` or Ctrl-C mid-run: Ray, its workers and the inference servers go with it."""
+    run = Run(tmp_path / "run", tmp_path / "run.out", tmp_path / "rollouts.jsonl")
+    process = launch(run, [*OVERRIDES, "rllm.trainer.total_batches=100"], train_env(run.run_dir))
+    metrics = run.run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), process, run, "the first step")
+    tree = [psutil.Process(process.pid), *descendants(process.pid)]
+    assert len(tree) > 3, tree  # Ray's daemons, its workers and the server are running
+    names = {p.pid: " ".join(p.cmdline())[:120] for p in tree}
+    process.send_signal(getattr(signal, how))
+    leftovers = [names[pid] for pid in reap(tree, timeout=10)]
+    assert not leftovers, f"alive 10 s after {how}: {leftovers}\n{run.text[-3000:]}"

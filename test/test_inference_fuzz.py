@@ -92,7 +92,7 @@ def malformed_requests(rng: random.Random, prompt: list[int], vocab: int, count:
     def unsupported_value():
         name, value = rng.choice(
             [
-                ("n", 2),
+                ("n", 129),
                 ("n", 0),
                 ("repetition_penalty", 1.3),
                 ("presence_penalty", float("1e3")),

@@ -22,6 +22,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 
 from rllm_skyrl.inference import InferenceServer
 from rllm_skyrl.inference.app import build_app
+from rllm_skyrl.inference.checks import shown
 
 TOKEN = "test-token-0123456789abcdefghijklmnop"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -149,7 +150,7 @@ def test_weights_load_only_from_under_the_root(server, api, weights_root, tiny_m
     for what, path in attempts.items():
         response = api.post("/rllm_skyrl/v1/load_weights", json={"path": path})
         assert response.status_code == 400, what
-        messages[what] = error_of(response).replace(repr(path), "<path>")
+        messages[what] = error_of(response).replace(shown(path), "<path>")
         assert messages[what].startswith(f"path outside {weights_root.resolve()}"), (what, messages[what])
     # The answer is the same whether the path exists or not: the server cannot be used to probe.
     assert len(set(messages.values())) == 1, messages
@@ -238,7 +239,8 @@ BAD_SAMPLING = [
     ({"stop_token_ids": "1"}, "stop_token_ids must be a list"),
     ({"ignore_eos": "false"}, "ignore_eos must be true or false"),
     ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
-    ({"n": 0}, "sampling param n=0 is not supported"),
+    ({"n": 0}, "n must be an integer in [1, 128], got 0"),
+    ({"n": 129}, "n must be an integer in [1, 128], got 129"),
     ({"max_tokens": 2, "min_tokens": 3}, "min_tokens (3) exceeds max_tokens (2)"),
     ({"surprise": 1}, "unknown sampling param 'surprise'"),
 ]

@@ -227,7 +227,11 @@ def test_logprobs_match_hf_forward(server, tiny_tokenizer, prompts, hf_model):
         # The later requests arrive while the first is decoding, so their KV caches are merged
         # into its batch (left-padded to a common width).
         before = (await stats(server))["counters"]
-        first = asyncio.create_task(generate(client, prompts[:1], **sampling, min_tokens=16))
+        # The first decodes long enough (128 tokens) that the later ones find it running even on
+        # a loaded machine.
+        first = asyncio.create_task(
+            generate(client, prompts[:1], **{**sampling, "max_tokens": 128}, min_tokens=128)
+        )
         await until_running(server)
         later = await asyncio.gather(*(generate(client, [p], **sampling) for p in prompts[1:] * 3))
         after = (await stats(server))["counters"]

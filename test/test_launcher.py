@@ -1,20 +1,19 @@
-"""Launcher: the placement plan without starting anything, and training across a 2-node Ray cluster."""
+"""Launcher: the placement plan (in process and from the CLI), and training across a 2-node Ray cluster."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import PAIRS, descendants, hf_logprobs, reap, sft_batch, skyrl_overrides, wait_until
 
-from rllm_skyrl.launcher import plan
+from rllm_skyrl.launcher import main, plan
 
 
 def test_plan_shows_placement_and_resolved_config_without_starting_anything():
@@ -40,88 +39,100 @@ def test_plan_shows_placement_and_resolved_config_without_starting_anything():
     assert ray.is_initialized() == was_running
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def test_rllm_skyrl_plan_from_the_command_line():
+    """The installed console script runs ``launcher.main``: ``plan`` prints the plan, exits 0."""
+    script = Path(sys.executable).parent / "rllm-skyrl"
+    result = subprocess.run(
+        [str(script), "plan", "model.path=org/some-8b-model", "rllm.algorithm.kl_beta=0.01"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "policy: 1 node(s) x 1 GPU(s) = 1 training GPU(s)" in result.stdout
+    assert "ref: 1 node(s) x 1 GPU(s)" in result.stdout  # the KL term brings a reference model
+    assert "use_kl_loss: true" in result.stdout and "path: org/some-8b-model" in result.stdout
 
 
-DRIVER = textwrap.dedent(
-    """
-    import json, sys
-    from transformers import AutoTokenizer
-    sys.path.insert(0, {test_dir!r})
-    from test_workers_cpu import PAIRS, config, sft_batch
-    from rllm_skyrl.runtime import start_ray
-    from rllm_skyrl.workers import SkyRLWorkers
-    from pathlib import Path
+def test_cli_refuses_a_missing_or_unknown_command(capsys):
+    for argv in ([], ["train"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+    assert "invalid choice: 'train'" in capsys.readouterr().err
 
-    model_dir = {model_dir!r}
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    cfg = config(model_dir, Path({tmp!r}), **{{"trainer.placement.policy_num_nodes": 2}})
-    start_ray(cfg)
-    import ray
-    workers = SkyRLWorkers(cfg, tokenizer)
-    batch, _, _ = sft_batch(tokenizer, PAIRS)
-    loss = workers.forward_backward("policy", batch, loss_fn="cross_entropy").metrics["loss"]
-    grad_norm = workers.optim_step("policy")
-    print(json.dumps({{"nodes": workers.dispatch.get_node_ids(), "cluster_nodes": len(ray.nodes()),
-                       "loss": loss, "grad_norm": grad_norm}}))
-    workers.shutdown()
-    """
-)
+
+TWO_NODE_APP = Path(__file__).resolve().parent / "apps" / "two_node_step.py"
+
+
+def start_ray_node(ray_bin: str, env: dict[str, str], *args: str) -> subprocess.Popen:
+    """``ray start --block`` in its own session: the node lives exactly as long as this process."""
+    return subprocess.Popen(
+        [ray_bin, "start", "--block", "--node-ip-address=127.0.0.1", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop_ray_nodes(nodes: list[subprocess.Popen]) -> list[int]:
+    """Stop the nodes this test started, and every process they started; nothing else."""
+    tree = [p for node in nodes for p in descendants(node.pid)]
+    for node in reversed(nodes):  # the worker node first, then the head
+        if node.poll() is None:
+            node.terminate()  # ``ray start --block`` stops its node's processes on SIGTERM
+    for node in reversed(nodes):
+        try:
+            node.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            node.kill()
+            node.wait()
+    return reap(tree, timeout=30)
 
 
 @pytest.mark.timeout(600)
-def test_training_step_runs_across_two_ray_nodes(tiny_model_dir, tmp_path):
-    """`ray start --head` plus a second `ray start --address` on loopback; one policy rank per node."""
+def test_training_step_runs_across_two_ray_nodes(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """A head node (``--port=0``: Ray takes a free port and reports it) plus a second node on
+    loopback; one policy rank per node; the step's loss is the batch's summed cross-entropy."""
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp_dir = tempfile.mkdtemp(prefix="/tmp/rc")  # Ray's socket paths must stay short
-    port = _free_port()
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    env.pop("RAY_ADDRESS")
-    common = ["--num-cpus=2", "--num-gpus=1", "--disable-usage-stats"]
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    resources = ["--num-cpus=2", "--num-gpus=1", "--disable-usage-stats"]
+    nodes: list[subprocess.Popen] = []
     try:
-        subprocess.run(
-            [
-                ray_bin,
-                "start",
-                "--head",
-                f"--port={port}",
-                "--node-ip-address=127.0.0.1",
-                f"--temp-dir={temp_dir}",
-                "--include-dashboard=false",
-                *common,
-            ],
-            check=True,
-            env=env,
-            capture_output=True,
-            timeout=120,
-        )
-        subprocess.run(
-            [ray_bin, "start", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1", *common],
-            check=True,
-            env=env,
-            capture_output=True,
-            timeout=120,
-        )
-        script = DRIVER.format(
-            test_dir=str(Path(__file__).parent), model_dir=tiny_model_dir, tmp=str(tmp_path)
-        )
+        head_args = ["--head", "--port=0", f"--temp-dir={temp_dir}", "--include-dashboard=false"]
+        nodes.append(start_ray_node(ray_bin, env, *head_args, *resources))
+        address_file = Path(temp_dir) / "ray_current_cluster"
+
+        def head_port() -> str | None:
+            assert nodes[0].poll() is None, f"the head node exited with {nodes[0].returncode}"
+            return address_file.read_text().strip().rpartition(":")[2] if address_file.exists() else None
+
+        # Ray writes the head's address with the machine's IP; the test connects through loopback.
+        address = f"127.0.0.1:{wait_until(head_port, 120, 'the head node to write its address')}"
+        nodes.append(start_ray_node(ray_bin, env, f"--address={address}", *resources))
         result = subprocess.run(
-            [sys.executable, "-c", script],
-            env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+            [
+                sys.executable,
+                str(TWO_NODE_APP),
+                json.dumps(skyrl_overrides(tiny_model_dir, tmp_path)),
+                json.dumps(PAIRS),
+            ],
+            env={**env, "RAY_ADDRESS": address},
             capture_output=True,
             text=True,
             timeout=480,
         )
         assert result.returncode == 0, result.stderr[-4000:]
         report = json.loads(result.stdout.strip().splitlines()[-1])
-        assert report["cluster_nodes"] == 2
-        assert len(set(report["nodes"])) == 2, f"both ranks landed on one node: {report['nodes']}"
-        assert report["loss"] > 0 and report["grad_norm"] > 0
     finally:
-        # Stop only this cluster's processes: `ray stop` would also stop the suite's shared Ray.
-        subprocess.run(["pkill", "-f", temp_dir], check=False)
-        subprocess.run(["pkill", "-f", f"127.0.0.1:{port}"], check=False)
+        leftovers = stop_ray_nodes(nodes)
         shutil.rmtree(temp_dir, ignore_errors=True)
+    assert report["cluster_nodes"] == 2
+    assert len(set(report["nodes"])) == 2, f"both ranks landed on one node: {report['nodes']}"
+    _, prompts, responses = sft_batch(tiny_tokenizer, PAIRS)
+    expected_loss = -sum(float(lp.sum()) for lp in hf_logprobs(tiny_model_dir, prompts, responses))
+    assert report["loss"] == pytest.approx(expected_loss, rel=1e-4)
+    assert report["grad_norm"] > 0
+    assert leftovers == [], f"processes of the test's Ray nodes outlived them: {leftovers}"

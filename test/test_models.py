@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import hf_logprobs, skyrl_config
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, ppo_critic_loss
-from test_workers_cpu import config, hf_logprobs
 
 from rllm_skyrl.batch_layout import right_aligned
 from rllm_skyrl.data_adapter import sft_examples_to_batch
@@ -185,7 +185,7 @@ def _tis_token():
 def registry(ray_cluster, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     """Policy and critic on one set of workers; ``fresh`` rewinds both to their starting weights."""
     root = tmp_path_factory.mktemp("models")
-    cfg = config(tiny_model_dir, root, **{"trainer.critic.model.path": tiny_model_dir})
+    cfg = skyrl_config(tiny_model_dir, root, **{"trainer.critic.model.path": tiny_model_dir})
     cfg.trainer.critic.fsdp_config.mixed_precision = cfg.trainer.policy.fsdp_config.mixed_precision
     cfg.trainer.critic.optimizer_config.lr = 1e-3
     cfg.trainer.critic.optimizer_config.weight_decay = 0.0

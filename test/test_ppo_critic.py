@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from helpers import compose_example, run_dirs
 
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
 from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
 
-EXAMPLE_DIR = Path(__file__).resolve().parent.parent / "examples" / "simple_math"
 STEPS = 220
 
 
@@ -24,18 +22,14 @@ def windows(values: list[float], size: int = 10) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_ppo_with_critic_learns_and_the_critic_fits(tmp_path):
-    with initialize_config_dir(config_dir=str(EXAMPLE_DIR), version_base=None):
-        cfg = compose(
-            "config",
-            overrides=[
-                f"training.default_local_dir={tmp_path}/ckpt",
-                f"rllm.trainer.run_dir={tmp_path}/run",
-                f"rllm.trainer.total_batches={STEPS}",
-                "rllm.trainer.test_freq=0",
-                "rllm.algorithm.adv_estimator=gae",
-                "training.critic_learning_rate=1e-3",
-            ],
-        )
+    cfg = compose_example(
+        "simple_math",
+        *run_dirs(tmp_path),
+        f"rllm.trainer.total_batches={STEPS}",
+        "rllm.trainer.test_freq=0",
+        "rllm.algorithm.adv_estimator=gae",
+        "training.critic_learning_rate=1e-3",
+    )
     run_dir = launcher.run(
         cfg,
         workflow_class=SingleTurnWorkflow,
@@ -48,8 +42,14 @@ def test_ppo_with_critic_learns_and_the_critic_fits(tmp_path):
     assert statistics.mean(rewards[:10]) <= 0.3
     assert statistics.mean(rewards[-10:]) >= 0.8, windows(rewards)
     value_loss = windows([r["critic/value_loss"] for r in records])
-    reward_variance = statistics.mean(r["reward/std"] ** 2 for r in records[-10:])
-    # The critic fits the returns: its loss ends far below its peak and below what a constant
-    # prediction would cost (half the reward variance, for a squared-error value loss).
-    assert value_loss[-1] < 0.25 * max(value_loss), value_loss
-    assert value_loss[-1] < 0.5 * reward_variance, (value_loss[-1], reward_variance)
+    assert value_loss[-1] < 0.25 * max(value_loss), value_loss  # it fell far below its peak
+    # Over the last 20 steps the critic predicts the returns at least as well as the best constant
+    # would (each batch's own mean reward; half its variance for a squared-error loss), up to a
+    # small slack. This holds whether or not the policy still fails some tasks: once every
+    # rollout is right, the baseline is 0 and the critic must predict the return almost exactly.
+    last = records[-20:]
+    critic = statistics.mean(r["critic/value_loss"] for r in last)
+    best_constant = statistics.mean(0.5 * r["reward/std"] ** 2 for r in last)
+    assert critic <= best_constant + 0.01, (critic, best_constant)
+    values = statistics.mean(r["critic/values_mean"] for r in last)
+    assert values == pytest.approx(statistics.mean(r["reward/mean"] for r in last), abs=0.1)

@@ -101,6 +101,17 @@ def test_other_backends_keep_rllms_own_dispatch(registered):
         AgentTrainer(_config(), workflow_class=_simple_workflow(), backend="nope")
 
 
+def test_the_config_group_wins_over_a_backend_name_fixed_in_code(registered, caplog):
+    """rLLM's countdown example hard-codes ``backend="tinker"``; its script picks the config group."""
+    from rllm.trainer import AgentTrainer
+
+    trainer = AgentTrainer(
+        config=_config(backend="skyrl"), workflow_class=_simple_workflow(), train_dataset=[], backend="tinker"
+    )
+    assert isinstance(trainer.launcher, SkyRLTrainerLauncher)
+    assert "AgentTrainer(backend='tinker')" in caplog.text
+
+
 def test_register_is_idempotent_and_unregister_restores():
     from rllm.trainer.unified_trainer import AgentTrainer
 

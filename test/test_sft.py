@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_example, hf_logprobs, run_dirs
 
 from examples.sft.task import make_rows, reward_fn
 from examples.sft.train import encode, train_sft
@@ -19,56 +19,42 @@ from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
 
 def sft_config(root: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(EXAMPLES / "sft"), version_base=None):
-        return compose(
-            "config",
-            overrides=[
-                f"sft.data_dir={root}/data",
-                f"sft.export_dir={root}/hf_model",
-                f"training.default_local_dir={root}/checkpoints",
-                *overrides,
-            ],
-        )
+    return compose_example(
+        "sft",
+        f"sft.data_dir={root}/data",
+        f"sft.export_dir={root}/hf_model",
+        f"training.default_local_dir={root}/checkpoints",
+        *overrides,
+    )
 
 
 def rl_config(root: Path, *overrides: str):
     """The digit example's GRPO config, shortened; RL runs are compared under the same settings."""
-    with initialize_config_dir(config_dir=str(EXAMPLES / "simple_math"), version_base=None):
-        return compose(
-            "config",
-            overrides=[
-                f"training.default_local_dir={root}/ckpt",
-                f"rllm.trainer.run_dir={root}/run",
-                "rllm.trainer.total_batches=30",
-                "rllm.trainer.test_freq=0",
-                "training.group_size=8",
-                # The digit example's 1e-3 is tuned for learning from scratch; on a memorised SFT
-                # model it erodes the answers (measured: reward 0.93 -> ~0.5 in 30 steps).
-                "training.learning_rate=3e-4",
-                *overrides,
-            ],
-        )
+    return compose_example(
+        "simple_math",
+        *run_dirs(root),
+        "rllm.trainer.total_batches=30",
+        "rllm.trainer.test_freq=0",
+        "training.group_size=8",
+        # The digit example's 1e-3 is tuned for learning from scratch; on a memorised SFT
+        # model it erodes the answers (measured: reward 0.93 -> ~0.5 in 30 steps).
+        "training.learning_rate=3e-4",
+        *overrides,
+    )
 
 
 def heldout_loss_of_export(export_dir: Path, heldout_path: Path) -> float:
     """Mean per-token CE of the held-out answers under a plain HF forward of the exported model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
     frame = pd.read_parquet(heldout_path)
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for prompt, response in encode(tokenizer, list(zip(frame["prompt"], frame["response"], strict=True))):
-            ids = torch.tensor([prompt + response])
-            logp = torch.log_softmax(model(ids).logits[0], dim=-1)[len(prompt) - 1 : -1]
-            total -= logp.gather(-1, ids[0, len(prompt) :, None]).sum().item()
-            tokens += len(response)
-    return total / tokens
+    pairs = encode(
+        AutoTokenizer.from_pretrained(export_dir), list(zip(frame["prompt"], frame["response"], strict=True))
+    )
+    logprobs = hf_logprobs(export_dir, [p for p, _ in pairs], [r for _, r in pairs])
+    return -float(torch.cat(logprobs).sum()) / sum(len(r) for _, r in pairs)
 
 
 def test_sft_heldout_loss_drops_and_the_export_loads(tmp_path):

@@ -96,18 +96,49 @@ def test_wandb_offline_run_never_sees_secrets(tmp_path, monkeypatch):
     assert all(SECRET.encode() not in p.read_bytes() for p in run_files)
 
 
-def test_plot_run_draws_the_series_that_exist(tmp_path):
+def drawn_panels(monkeypatch) -> list[dict[str, dict[str, tuple[list, list]]]]:
+    """Every figure ``plot_run`` saves, as {panel title: {line label: (steps, values)}}."""
+    from matplotlib.figure import Figure
+
+    figures: list[dict] = []
+    original = Figure.savefig
+
+    def recording(fig, *args, **kwargs):
+        figures.append(
+            {
+                ax.get_title(): {
+                    line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+                    for line in ax.get_lines()
+                }
+                for ax in fig.axes
+                if ax.get_visible()
+            }
+        )
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", recording)
+    return figures
+
+
+def test_plot_run_draws_the_series_that_exist(tmp_path, monkeypatch):
+    figures = drawn_panels(monkeypatch)
     tracking = Tracking(tmp_path, loggers=[])
     tracking.start(total_steps=4, resume_step=0)
     tracking.log({"val/math/pass@1": 0.1}, 0)
     for step in range(1, 5):
-        metrics = {"reward/mean": step / 4, "time/step": 0.5}
+        metrics = {"reward/mean": step / 4, "time/step": 0.5 + step}
         if step % 2 == 0:
             metrics["val/math/pass@1"] = step / 8
         tracking.log(metrics, step)
     png = plot_run(tmp_path)
     assert png == tmp_path / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (panels,) = figures
+    assert panels == {  # no KL was logged: no KL panel
+        "training reward": {"reward/mean": ([1, 2, 3, 4], [0.25, 0.5, 0.75, 1.0])},
+        "validation pass@1": {"val/math/pass@1": ([0, 2, 4], [0.1, 0.25, 0.5])},
+        "seconds per step": {"time/step": ([1, 2, 3, 4], [1.5, 2.5, 3.5, 4.5])},
+    }
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "other": 1.0}) + "\n")
     with pytest.raises(ValueError, match="has none of"):

@@ -4,7 +4,7 @@
 
     straight   4 steps in one go (validation before training and every 2 steps, wandb, secrets)
     killed     the same training, checkpointing every step, SIGKILLed (with every process it
-               started) while the step-3 checkpoint is being written
+               started) while its step-3 checkpoint is written but not yet published
     resumed    ``training.resume_mode=auto`` in the killed run's directory: steps 3 and 4
 
 Every run gets secrets in its environment and config, so the secret checks cover all three.
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from helpers import descendants, reap, wait_until
 
 APP = Path(__file__).resolve().parent / "apps" / "train_digits.py"
 REPO = APP.parents[2]
@@ -102,24 +103,6 @@ def launch(run: Run, overrides: list[str], env: dict[str, str]) -> subprocess.Po
         )
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def reap(processes: list[psutil.Process], timeout: float = 60.0) -> list[int]:
-    """Wait for processes we started to exit; SIGKILL (by pid) the ones that outlive ``timeout``."""
-    _, alive = psutil.wait_procs(processes, timeout=timeout)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return [p.pid for p in alive]
-
-
 def wait(run: Run, process: subprocess.Popen, started: float, timeout: float = RUN_TIMEOUT) -> Run:
     tree = descendants(process.pid)
     try:
@@ -135,32 +118,29 @@ def wait(run: Run, process: subprocess.Popen, started: float, timeout: float = R
 
 
 def kill_during_save(
-    run: Run, process: subprocess.Popen, step: int, timeout: float = RUN_TIMEOUT
+    run: Run, process: subprocess.Popen, marker: Path, timeout: float = RUN_TIMEOUT
 ) -> KillReport:
-    """SIGKILL the run's process group the moment the step's temporary checkpoint dir appears."""
+    """SIGKILL the run's process group while it holds a save (see ``HOLD_SAVE_AT_STEP``).
+
+    The run writes ``marker`` once the save is complete on disk but not yet published, and waits
+    there; the kill therefore always lands at that point, whatever the machine's speed.
+    """
     checkpoints = run.run_dir / "checkpoints"
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise AssertionError(f"run ended before its step-{step} save:\n{run.text[-4000:]}")
-        if time.monotonic() > deadline:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise AssertionError(f"no step-{step} save within {timeout} s:\n{run.text[-4000:]}")
-        try:
-            hits = [name for name in os.listdir(checkpoints) if name.startswith(f".tmp_global_step_{step}_")]
-        except FileNotFoundError:
-            hits = []
-        if hits:
-            tree = descendants(process.pid)
-            os.killpg(process.pid, signal.SIGKILL)
-            break
-        time.sleep(0.002)
+    try:
+        wait_until(lambda: marker.exists() or process.poll() is not None, timeout, "the held save")
+    except AssertionError:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError(f"no held save within {timeout} s:\n{run.text[-4000:]}") from None
+    if not marker.exists():
+        raise AssertionError(f"run ended before its held save:\n{run.text[-4000:]}")
+    tree = descendants(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     leftovers = reap(tree, timeout=60)  # Ray workers live in their own sessions; they exit on their own
     run.returncode = process.returncode
-    tmp = checkpoints / hits[0]
+    tmp = checkpoints / marker.read_text()
     return KillReport(
-        tmp_dir=hits[0],
+        tmp_dir=tmp.name,
         tmp_contents=sorted(os.listdir(tmp)) if tmp.exists() else [],
         latest_after=(checkpoints / "latest").read_text().strip(),
         listing_after=sorted(os.listdir(checkpoints)),
@@ -181,9 +161,11 @@ def shared_digits_runs(root: Path) -> SharedRuns:
 
     started = time.monotonic()
     straight_process = launch(straight, common, train_env(straight.run_dir))
-    killed_process = launch(killed, kill_overrides, train_env(killed.run_dir, **verbose))
+    marker = root / "killed.held_save"
+    hold = {"HOLD_SAVE_AT_STEP": "3", "HOLD_SAVE_MARKER": str(marker)}
+    killed_process = launch(killed, kill_overrides, train_env(killed.run_dir, **verbose, **hold))
     try:
-        kill = kill_during_save(killed, killed_process, step=3)
+        kill = kill_during_save(killed, killed_process, marker)
     finally:
         if killed_process.poll() is None:
             os.killpg(killed_process.pid, signal.SIGKILL)

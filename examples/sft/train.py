@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
 from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import hydra_cli_overrides, one_line_errors, quiet_libraries
+from rllm_skyrl.launcher import clean_stop, hydra_cli_overrides, one_line_errors, quiet_libraries
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
 from rllm_skyrl.secret_masking import mask_process_output
@@ -112,7 +112,8 @@ def train_sft(cfg: DictConfig) -> SFTResult:
 def main(cfg: DictConfig) -> None:
     mask_process_output()
     quiet_libraries()
-    train_sft(cfg)
+    with clean_stop():
+        train_sft(cfg)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ parent killed by SIGKILL as well as one that exited normally.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"rllm_skyrl inference server for {args.model} listening on {server.url}", flush=True)
     stop.wait()
     server.stop()
+    gc.freeze()  # the exit's last collection would walk all of torch (seconds on a busy machine)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ it was a validation rollout, the weight version it sampled from, its data source
 its response length. The tests rebuild the data order and pass@k from that record.
 The reward is 1 when the first response token id is even, so pass@1 sits near 0.5 and pass@k is
 informative even for a random model.
+
+With ``HOLD_SAVE_AT_STEP=N`` and ``HOLD_SAVE_MARKER=PATH``, the save of step N stops once every part
+is written and flushed but before it is published, writes the temporary directory's name to PATH
+and waits there for the test to kill the run.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from rllm_skyrl import checkpoint
 from rllm_skyrl.launcher import run
 from rllm_skyrl.standalone.workflow import Workflow, task_messages
 from rllm_skyrl.types import Episode, Step, TerminationReason, Trajectory
@@ -62,8 +69,21 @@ class LoggedParityWorkflow(Workflow):
         )
 
 
+def hold_save(step: int, marker: Path) -> None:
+    def hold(saved_step: int, tmp: Path) -> None:
+        if saved_step == step:
+            partial = marker.with_name(marker.name + ".partial")
+            partial.write_text(tmp.name)
+            os.replace(partial, marker)
+            threading.Event().wait()  # until SIGKILL
+
+    checkpoint.before_publish = hold
+
+
 @hydra.main(config_path=".", config_name="train_digits", version_base=None)
 def main(cfg: DictConfig) -> None:
+    if os.environ.get("HOLD_SAVE_AT_STEP"):
+        hold_save(int(os.environ["HOLD_SAVE_AT_STEP"]), Path(os.environ["HOLD_SAVE_MARKER"]))
     run(
         cfg,
         workflow_class=LoggedParityWorkflow,

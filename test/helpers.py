@@ -1,0 +1,251 @@
+"""What several test modules build the same way: SkyRL configs and batches, HF references, configs.
+
+Test modules import from here (never from each other), so a test file can be run, moved or
+deleted on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+# --------------------------------------------------------------------------- SkyRL workers
+
+FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+
+
+def skyrl_config(model_dir: str, tmp_path, **overrides):
+    """SkyRL's typed config for a fp32 policy on ``model_dir``: plain AdamW, one micro-batch."""
+    from rllm_skyrl.run_config import make_skyrl_config
+
+    return make_skyrl_config(skyrl_overrides(model_dir, tmp_path, **overrides))
+
+
+def skyrl_overrides(model_dir: str, tmp_path, **overrides) -> dict:
+    """The dotted SkyRL keys behind ``skyrl_config`` (policy only: no KL term, so no reference)."""
+    base = {
+        "trainer.policy.model.path": model_dir,
+        "trainer.policy.fsdp_config.mixed_precision": FP32,
+        "trainer.policy.optimizer_config.lr": 1e-3,
+        "trainer.policy.optimizer_config.weight_decay": 0.0,
+        "trainer.gradient_checkpointing": False,
+        "trainer.micro_train_batch_size_per_gpu": 8,
+        "trainer.micro_forward_batch_size_per_gpu": 8,
+        "trainer.algorithm.use_kl_loss": False,
+        "generator.sampling_params.temperature": 1.0,
+        "trainer.ckpt_path": str(Path(tmp_path) / "ckpt"),
+        "trainer.export_path": str(Path(tmp_path) / "export"),
+        "trainer.log_path": str(Path(tmp_path) / "logs"),
+    }
+    base.update(overrides)
+    return base
+
+
+PAIRS = [("what is 3?", " 3"), ("what is 12?", "1 2 3"), ("what is 7 plus 2?", " 9"), ("what is 5?", "5")]
+
+
+def skyrl_batch(pad_token_id: int, prompts: list[list[int]], responses: list[list[int]]):
+    """Token ids -> a loss-on-every-response-token ``TrainingInputBatch``, by SkyRL's own preprocessing."""
+    from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+    from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
+
+    sequences, attention_mask, response_mask, _rewards, loss_mask, *_ = (
+        convert_prompts_responses_to_batch_tensors(
+            pad_token_id,
+            prompts,
+            responses,
+            rewards=[[0.0] * len(r) for r in responses],
+            loss_masks=[[1] * len(r) for r in responses],
+        )
+    )
+    batch = TrainingInputBatch(
+        {
+            "sequences": sequences,
+            "attention_mask": attention_mask,
+            "response_mask": response_mask,
+            "loss_mask": loss_mask.float(),
+        }
+    )
+    batch.metadata = {"response_length": response_mask.shape[1]}
+    return batch
+
+
+def sft_batch(tokenizer, pairs: list[tuple[str, str]] = PAIRS):
+    """Prompt/response text pairs -> (batch, prompt ids, response ids); responses end with eos."""
+    prompts = [tokenizer(p)["input_ids"] for p, _ in pairs]
+    responses = [tokenizer(r)["input_ids"] + [tokenizer.eos_token_id] for _, r in pairs]
+    return skyrl_batch(tokenizer.pad_token_id, prompts, responses), prompts, responses
+
+
+def exported_weights(workers, role: str, export_dir: Path) -> dict[str, torch.Tensor]:
+    """The role's current weights, exported as an HF model by the workers and read back."""
+    from safetensors.torch import load_file
+
+    workers.save_hf_model(role, str(export_dir))
+    return load_file(str(Path(export_dir) / "model.safetensors"))
+
+
+def hf_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- HF references
+
+
+def hf_model(model_dir: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompts, responses, temperature: float = 1.0) -> list[torch.Tensor]:
+    """log_softmax(logits / T) of each response token under a plain, unpadded HF forward.
+
+    ``model`` is a loaded HF causal LM or a directory to load one from.
+    """
+    if isinstance(model, (str, Path)):
+        model = hf_model(model)
+    out = []
+    with torch.no_grad():
+        for prompt, response in zip(prompts, responses, strict=True):
+            ids = torch.tensor([list(prompt) + list(response)])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            out.append(logp.gather(-1, torch.tensor(list(response))[:, None]).squeeze(-1))
+    return out
+
+
+# --------------------------------------------------------------------------- composed configs
+
+
+def compose_unified(*overrides: str, model: str | None = "tiny"):
+    """The entry config (``unified``) of this checkout with ``model`` (None: unset) and ``overrides``.
+
+    Composed from the checkout's ``config/`` folder, not through the installed package (which an
+    editable install may map to another checkout); ``test_packaging.py`` covers the package.
+    """
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base=None):
+        return compose("unified", overrides=[*([f"model.path={model}"] if model else []), *overrides])
+
+
+def compose_example(example: str, *overrides: str):
+    """``examples/<example>/config.yaml`` with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(EXAMPLES / example), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def run_dirs(root: Path) -> list[str]:
+    """Overrides that keep a run's checkpoints and metrics under ``root``."""
+    return [f"training.default_local_dir={root}/ckpt", f"rllm.trainer.run_dir={root}/run"]
+
+
+# --------------------------------------------------------------------------- waiting
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Poll ``condition`` until it returns something truthy, and return that; after ``timeout``
+    seconds fail naming ``what`` (a missed moment is a clear failure, never a hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+async def async_wait_until(condition, timeout: float, what: str, interval: float = 0.005) -> Any:
+    """``wait_until`` for an async ``condition`` (a coroutine function), on the running loop."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def descendants(pid: int) -> list:
+    """Every process ``pid`` started, recursively (``psutil.Process`` objects; empty once it is gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def reap(processes: list, timeout: float = 60.0) -> list[int]:
+    """Wait for processes a test started to exit; SIGKILL (by pid) the ones that outlive ``timeout``.
+
+    Returns the pids that had to be killed.
+    """
+    import psutil
+
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in alive]
+
+
+# --------------------------------------------------------------------------- rLLM-shaped records
+
+
+# Duck-typed stand-ins for rLLM's records: the adapter and the advantages only read attributes.
+@dataclass
+class Step:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float] | None = None
+    reward: float | None = 0.0
+    advantage: Any = None
+    done: bool = False
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.logprobs is None:
+            self.logprobs = [-0.5 - 0.01 * i for i in range(len(self.response_ids))]
+
+
+@dataclass
+class Trajectory:
+    steps: list[Step]
+    reward: float | None = 1.0
+    name: str = "solver"
+    uid: str = "traj-uid"
+
+
+@dataclass
+class TrajectoryGroup:
+    trajectories: list[Trajectory]
+    group_id: str = "task-3:solver"
+    metadata: list[dict] = field(default_factory=list)
+
+
+def group_of(*trajectories: Trajectory, task: str = "task-3") -> TrajectoryGroup:
+    metadata = [{"task_id": task, "rollout_idx": i} for i in range(len(trajectories))]
+    return TrajectoryGroup(list(trajectories), f"{task}:{trajectories[0].name}", metadata)

@@ -1,0 +1,70 @@
+"""Which servers a run samples from: ``inference.urls`` > SkyRL's vLLM servers on CUDA > our CPU servers.
+
+``start_servers`` is called with each platform and the starters are recorded instead of run (no
+GPU here); given URLs are checked against a real server and against a port nobody listens on.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from helpers import compose_unified
+
+from rllm_skyrl import servers
+from rllm_skyrl.platform import Platform
+from rllm_skyrl.run_config import resolve_run_config
+
+URLS = ["http://10.1.2.3:8000", "http://10.1.2.4:8000"]
+
+
+def test_server_kind_prefers_given_urls_then_cuda_then_cpu():
+    assert Platform(cuda=True).server_kind(URLS) == "external"
+    assert Platform(cuda=False).server_kind(tuple(URLS)) == "external"
+    assert Platform(cuda=True).server_kind(None) == Platform(cuda=True).server_kind([]) == "skyrl_vllm"
+    assert (
+        Platform(cuda=False).server_kind(None) == Platform(cuda=False).server_kind(()) == "cpu_transformers"
+    )
+
+
+@pytest.mark.parametrize(
+    ("cuda", "overrides", "expected"),
+    [
+        (True, [f"inference.urls=[{','.join(URLS)}]"], ("external", URLS)),
+        (False, [f"inference.urls=[{','.join(URLS)}]"], ("external", URLS)),
+        (True, [], ("skyrl_vllm", "org/model")),
+        (False, ["inference.num_engines=2", "inference.max_batch_size=7"], ("cpu", "org/model", 2, 7)),
+    ],
+    ids=["urls-on-cuda", "urls-on-cpu", "cuda", "cpu"],
+)
+def test_start_servers_starts_what_the_platform_picks(monkeypatch, cuda, overrides, expected):
+    started = []
+    monkeypatch.setattr(servers, "external_servers", lambda urls: started.append(("external", urls)))
+    monkeypatch.setattr(
+        servers,
+        "start_skyrl_servers",
+        lambda cfg, tok: started.append(("skyrl_vllm", cfg.trainer.policy.model.path)),
+    )
+    monkeypatch.setattr(
+        servers,
+        "start_cpu_servers",
+        lambda model, count, **kw: started.append(("cpu", model, count, kw["max_batch_size"])),
+    )
+    cfg = compose_unified("model.path=org/model", *overrides)
+    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
+    servers.start_servers(run, tokenizer=None)
+    assert started == [expected]
+
+
+def test_given_urls_are_checked_before_use(cpu_server):
+    group = servers.external_servers([cpu_server.url])
+    assert group.urls == [cpu_server.url] and not group.owned  # someone else's: never stopped here
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(
+            RuntimeError, match=f"inference server {dead} is not reachable.*check inference.urls"
+        ):
+            servers.external_servers([cpu_server.url, dead])
+    with pytest.raises(ValueError, match="inference.urls is empty"):
+        servers.external_servers([])
