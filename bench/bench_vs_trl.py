@@ -1,0 +1,175 @@
+"""The quickstart workload under TRL's GRPOTrainer and under this package, one after the other.
+
+Each side runs in its own fresh process on the same machine and appends one JSON record per step
+to a file that this script follows as it grows: this package's ``metrics.jsonl`` (the command
+``./scripts/train.sh`` runs: ``python -m examples.simple_math.train``), and TRL's records written
+by ``bench/trl_grpo.py`` (a ``TrainerCallback``; TRL runs in its own environment, see
+``--trl-python``). Both train the same tiny model (built once, from the cache) on the same digit
+task: 16 prompts x 32 samples per step, 2 new tokens, temperature 1, top_p 1, AdamW lr 1e-3,
+grad clip 1.0, no KL, token-mean loss (``bench/trl_grpo.py`` lists how each setting maps to TRL).
+
+Printed per side: the 10-step mean reward every 10 steps, the step at which it first reaches 0.8,
+the wall time from process start to that step's end, the CPU time the side's processes used up to
+then, the start-up time (process start to the first step's start, ``time/startup/
+process_to_first_step`` in the first record) and the median step time (wall time between
+consecutive records, so weight sync and anything else between steps count); then the ratios
+ours / TRL. The load average is sampled with every record: on a shared machine the wall-clock
+figures move with it, the CPU-time figures much less.
+
+    python -m bench.bench_vs_trl [--steps 200] [--until-target] [--trl-python PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.records import Side, follow
+from rllm_skyrl.tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/venvs/trl/bin/python")
+
+
+def trailing_means(values: list[float], window: int) -> list[float | None]:
+    """Mean of the last ``window`` values at each position (None until ``window`` are there)."""
+    return [
+        statistics.fmean(values[i + 1 - window : i + 1]) if i + 1 >= window else None
+        for i in range(len(values))
+    ]
+
+
+def target_index(values: list[float], window: int, target: float) -> int | None:
+    for i, mean in enumerate(trailing_means(values, window)):
+        if mean is not None and mean >= target:
+            return i
+    return None
+
+
+def summarize(side: Side, window: int, target: float) -> dict:
+    """The figures the comparison prints, from one side's followed records."""
+    out: dict = {"steps": len(side.records), "exit_code": side.exit_code}
+    if not side.records:
+        return out
+    first = side.records[0]
+    out["startup_s"] = first.get("time/startup/process_to_first_step")
+    out["first_record_s"] = side.arrival[0]
+    step_walls = side.step_walls()
+    out["step_wall_median_s"] = statistics.median(step_walls) if step_walls else None
+    out["step_time_median_s"] = statistics.median(r["time/step"] for r in side.records)
+    out["generate_median_s"] = statistics.median(r.get("time/generate", 0.0) for r in side.records)
+    index = target_index(side.rewards(), window, target)
+    if index is not None:
+        out["target_step"] = side.records[index]["step"]
+        out["target_wall_s"] = side.arrival[index]
+        out["target_cpu_s"] = side.cpu[index]
+    if len(side.cpu) > 1:  # from the first record on: start-up excluded
+        out["cpu_per_step_s"] = (side.cpu[-1] - side.cpu[0]) / (len(side.cpu) - 1)
+    out["load_mean"] = statistics.fmean(side.load)
+    out["load_range"] = (min(side.load), max(side.load))
+    means = trailing_means(side.rewards(), window)
+    every = range(window - 1, len(means), window)
+    out["curve"] = {side.records[i]["step"]: round(means[i], 3) for i in every}
+    return out
+
+
+def fmt(value, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}{unit}" if value < 10 else f"{value:.1f}{unit}"
+    return f"{value}{unit}"
+
+
+def report(trl: dict, ours: dict, window: int, target: float) -> None:
+    steps = sorted(set(trl.get("curve", {})) | set(ours.get("curve", {})))
+    print(f"\n{window}-step mean reward")
+    print(f"{'step':>6}{'TRL':>8}{'ours':>8}")
+    for step in steps:
+        print(f"{step:>6}{fmt(trl.get('curve', {}).get(step)):>8}{fmt(ours.get('curve', {}).get(step)):>8}")
+    rows = [
+        ("start-up (process -> first step)", "startup_s", "s"),
+        ("first step's record", "first_record_s", "s"),
+        ("median step wall time", "step_wall_median_s", "s"),
+        ("median time/step (in the record)", "step_time_median_s", "s"),
+        ("median time/generate", "generate_median_s", "s"),
+        (f"step reaching {window}-step mean >= {target}", "target_step", ""),
+        (f"wall time to {target} (from process start)", "target_wall_s", "s"),
+        (f"CPU time to {target} (process tree)", "target_cpu_s", "s"),
+        ("CPU time per step (process tree)", "cpu_per_step_s", "s"),
+        ("1-min load average (mean)", "load_mean", ""),
+    ]
+    print(f"\n{'':<42}{'TRL':>10}{'ours':>10}{'ours/TRL':>10}")
+    for label, key, unit in rows:
+        a, b = trl.get(key), ours.get(key)
+        ratio = f"{b / a:.2f}x" if a and b and key != "load_mean" else ""
+        print(f"{label:<42}{fmt(a, unit):>10}{fmt(b, unit):>10}{ratio:>10}")
+    for name, side in (("TRL", trl), ("ours", ours)):
+        low, high = side.get("load_range", (None, None))
+        print(f"{name}: {side['steps']} steps, exit code {side['exit_code']}, load {fmt(low)}..{fmt(high)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=200, help="steps per side (a cap with --until-target)")
+    parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--window", type=int, default=10)
+    parser.add_argument(
+        "--until-target",
+        action="store_true",
+        help="stop each side once its windowed reward reaches the target (saves time on a loaded machine)",
+    )
+    parser.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="interpreter with trl installed")
+    parser.add_argument(
+        "--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's, one per core)"
+    )
+    parser.add_argument("--sides", nargs="+", choices=("trl", "ours"), default=["trl", "ours"])
+    parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per side")
+    parser.add_argument("--out", type=Path, default=None, help="keep logs and records here")
+    args = parser.parse_args()
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model()  # both sides load it from the cache
+    env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+    def reached(side: Side) -> bool:
+        return target_index(side.rewards(), args.window, args.target) is not None
+
+    follow_args = {"cwd": ROOT, "env": env, "timeout": args.timeout}
+    if args.until_target:
+        follow_args["stop_when"] = reached
+    print(f"model {model}; records and logs in {out}; load average {os.getloadavg()}")
+    summaries: dict[str, dict] = {name: {"steps": 0, "exit_code": None} for name in ("trl", "ours")}
+    for name in args.sides:
+        if name == "trl":
+            records = out / "trl" / "records.jsonl"
+            records.unlink(missing_ok=True)
+            argv = [args.trl_python, "-m", "bench.trl_grpo", "--model", str(model), "--records", str(records)]
+            argv += ["--output-dir", str(out / "trl"), "--steps", str(args.steps)]
+            if args.trl_threads:
+                argv += ["--threads", str(args.trl_threads)]
+        else:
+            run_dir = out / "ours"
+            records = run_dir / "metrics.jsonl"
+            records.unlink(missing_ok=True)
+            argv = [sys.executable, "-m", "examples.simple_math.train"]
+            argv += [f"rllm.trainer.total_batches={args.steps}", "rllm.trainer.test_freq=0"]
+            argv += [f"hydra.run.dir={run_dir}"]
+        print(f"{name}: {' '.join(argv)}", flush=True)
+        side = follow(Side(name), argv, records, **follow_args)
+        summaries[name] = summarize(side, args.window, args.target)
+        print(f"{name}: {len(side.records)} steps, exit code {side.exit_code}, log {side.log}", flush=True)
+    (out / "summary.json").write_text(json.dumps(summaries, indent=1))
+    report(summaries["trl"], summaries["ours"], args.window, args.target)
+
+
+if __name__ == "__main__":
+    main()
