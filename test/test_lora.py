@@ -20,7 +20,6 @@ from rllm_harness import (
     DIGITS,
     digit_reward,
     digit_rows,
-    last_mean,
     requires_rllm,
     rllm_config,
     run_rllm,
@@ -431,7 +430,7 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 # head leave the adapters almost nothing to steer (rank 8 or 32: reward ~0.005 -> ~0.005 in 200 steps).
 # The learning test therefore adapts SmolLM2-135M-Instruct, which knows digits but, asked "which
 # number is 7?", starts its answer with "7" in ~15% of samples (it prefers "This number...").
-LEARNING_LR, LEARNING_STEPS = 1e-3, 40
+LEARNING_LR, LEARNING_STEPS = 1e-3, 10
 
 
 @requires_rllm
@@ -469,8 +468,8 @@ def test_tinker_lora_keys_train_under_rllm(ray_cluster, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_lora_policy_learns_to_answer_with_the_number_first(ray_cluster, tmp_path):
-    """SmolLM2 with rank-16 adapters on attention and MLP, under rLLM: the reward (the answer starts
-    with the number asked about) rises from ~0.15 to above 0.8."""
+    """SmolLM2 with rank-16 adapters on attention and MLP, under rLLM: validation (rLLM's pass@1 on
+    32 held-out prompts) before training and after it, reward = the answer starts with the number."""
     from rllm.workflows.simple_workflow import SimpleWorkflow
 
     cfg = rllm_config(
@@ -482,21 +481,22 @@ def test_a_lora_policy_learns_to_answer_with_the_number_first(ray_cluster, tmp_p
         f"training.learning_rate={LEARNING_LR}",
         "data.max_response_length=2",
         "training.group_size=8",
-        "validation.group_size=4",
+        "validation.group_size=1",
         "data.train_batch_size=4",
+        "data.val_batch_size=32",
         "skyrl.trainer.micro_train_batch_size_per_gpu=32",
         "skyrl.trainer.micro_forward_batch_size_per_gpu=32",
         f"rllm.trainer.total_batches={LEARNING_STEPS}",
-        "rllm.trainer.test_freq=0",
-        "rllm.trainer.val_before_train=false",
+        f"rllm.trainer.test_freq={LEARNING_STEPS}",
+        "rllm.trainer.val_before_train=true",
     )
-    rows = [{**row, "question": f"Which number is {row['answer']}?"} for row in digit_rows(4096)]
-    run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, rows)
-    records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
-    start, end = last_mean(records[:5], "reward/mean", 5), last_mean(records, "reward/mean", 5)
-    curve = " ".join(f"{r['reward/mean']:.2f}" for r in records)
-    print(
-        f"\nLoRA rank 16 on SmolLM2, number first: reward {start:.3f} (first 5 steps) -> {end:.3f} "
-        f"(last 5)\n{curve}"
-    )
-    assert start <= 0.3 and end >= 0.8
+
+    def rows(count: int, seed: int) -> list[dict]:
+        return [{**r, "question": f"Which number is {r['answer']}?"} for r in digit_rows(count, seed=seed)]
+
+    run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, rows(4096, 0), rows(32, 1))
+    records = read_metrics(tmp_path / "run")
+    val = [r["val/digit_echo/pass@1"] for r in records if "val/digit_echo/pass@1" in r]
+    rewards = " ".join(f"{r['reward/mean']:.2f}" for r in records if "reward/mean" in r)
+    print(f"\nLoRA rank 16 on SmolLM2: validation pass@1 {val}; training reward per step {rewards}")
+    assert len(val) == 2 and val[0] <= 0.3 and val[-1] >= 0.8
