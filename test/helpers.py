@@ -6,6 +6,7 @@ deleted on its own.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,6 +211,24 @@ def reap(processes: list, timeout: float = 60.0) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return [p.pid for p in alive]
+
+
+def server_vs_trainer(engine, workers, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample 8 completions; return (server logprobs, trainer logprobs) of the same tokens."""
+
+    async def sample():
+        messages = [[{"role": "user", "content": f"what is {i}?"}] for i in range(8)]
+        return await asyncio.gather(*(engine.get_model_response(m, seed=i) for i, m in enumerate(messages)))
+
+    outputs = asyncio.run(sample())
+    batch = skyrl_batch(
+        tokenizer.pad_token_id, [o.prompt_ids for o in outputs], [o.completion_ids for o in outputs]
+    )
+    trained = workers.forward("policy", batch, loss_fn="cross_entropy").loss_fn_outputs
+    server = torch.cat([torch.tensor(o.logprobs) for o in outputs])
+    trainer = torch.cat([torch.tensor(t["logprobs"]) for t in trained])
+    assert server.numel() == trainer.numel() >= 8
+    return server, trainer
 
 
 # --------------------------------------------------------------------------- rLLM-shaped records

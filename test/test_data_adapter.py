@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import pickle
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from helpers import Step, Trajectory, TrajectoryGroup, group_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
@@ -25,42 +26,6 @@ from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)
-
-
-# Duck-typed stand-ins for rLLM's records: the adapter only reads attributes.
-@dataclass
-class Step:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float] | None = None
-    reward: float | None = 0.0
-    advantage: Any = None
-    done: bool = False
-    metadata: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.logprobs is None:
-            self.logprobs = [-0.5 - 0.01 * i for i in range(len(self.response_ids))]
-
-
-@dataclass
-class Trajectory:
-    steps: list[Step]
-    reward: float | None = 1.0
-    name: str = "solver"
-    uid: str = "traj-uid"
-
-
-@dataclass
-class TrajectoryGroup:
-    trajectories: list[Trajectory]
-    group_id: str = "task-3:solver"
-    metadata: list[dict] = field(default_factory=list)
-
-
-def group_of(*trajectories: Trajectory, task: str = "task-3") -> TrajectoryGroup:
-    metadata = [{"task_id": task, "rollout_idx": i} for i in range(len(trajectories))]
-    return TrajectoryGroup(list(trajectories), f"{task}:{trajectories[0].name}", metadata)
 
 
 def real_tokens(batch, row: int) -> list[int]:

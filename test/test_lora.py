@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PAIRS, sft_batch, skyrl_config
+from helpers import PAIRS, server_vs_trainer, sft_batch, skyrl_config
 from hydra import compose, initialize_config_module
 from rllm_harness import (
     DIGITS,
@@ -25,7 +25,6 @@ from rllm_harness import (
     run_rllm,
     syncs_by_hook,
 )
-from test_weight_sync import _server_vs_trainer
 from training_runs import Run, assert_ok, launch, train_env, train_task_ids_by_step, wait
 
 from rllm_skyrl import weight_sync
@@ -273,21 +272,21 @@ def trained(ray_cluster, tiny_model_dir, tiny_tokenizer, tmp_path_factory):
         out["lora_before"], _ = checkpoint_tensors(lora, root / "lora_ckpt_0")
         sync = weight_sync.sync_weights
         asyncio.run(sync("lora", lora, lora_server, root / "unused", 0, str(lora_sync)))
-        gaps["gap_initial"] = _server_vs_trainer(lora_engine, lora, tiny_tokenizer)
+        gaps["gap_initial"] = server_vs_trainer(lora_engine, lora, tiny_tokenizer)
         batch, *_ = sft_batch(tiny_tokenizer, PAIRS)
         for workers in (lora, full):
             for _ in range(STEPS):
                 workers.forward_backward("policy", batch, loss_fn="cross_entropy")
                 workers.optim_step("policy")
-        gaps["gap_stale"] = _server_vs_trainer(lora_engine, lora, tiny_tokenizer)
+        gaps["gap_stale"] = server_vs_trainer(lora_engine, lora, tiny_tokenizer)
         started = time.perf_counter()
         out["lora_bytes"] = asyncio.run(sync("lora", lora, lora_server, root / "unused", 1, str(lora_sync)))
         out["lora_seconds"] = time.perf_counter() - started
         started = time.perf_counter()
         out["full_bytes"] = asyncio.run(sync("disk", full, full_server, root / "full_sync", 1))
         out["full_seconds"] = time.perf_counter() - started
-        gaps["gap_lora"] = _server_vs_trainer(lora_engine, lora, tiny_tokenizer)
-        gaps["gap_full"] = _server_vs_trainer(full_engine, full, tiny_tokenizer)
+        gaps["gap_lora"] = server_vs_trainer(lora_engine, lora, tiny_tokenizer)
+        gaps["gap_full"] = server_vs_trainer(full_engine, full, tiny_tokenizer)
         out["lora_after"], out["lora_state"] = checkpoint_tensors(lora, root / "lora_ckpt_3")
         _, out["full_state"] = checkpoint_tensors(full, root / "full_ckpt_3")
         yield out

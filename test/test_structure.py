@@ -131,3 +131,18 @@ def test_backend_code_does_not_use_the_standalone_trainer(module):
     reached = _closure(import_graph(), module)
     standalone = sorted(m for m in reached if m.startswith("rllm_skyrl.standalone"))
     assert not standalone, f"{module} reaches {standalone}"
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in ``helpers.py`` and the harness modules: a test file can be run,
+    moved or deleted on its own."""
+    offenders = []
+    for path in sorted((ROOT.parent / "test").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            offenders += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders

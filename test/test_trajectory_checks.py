@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_data_adapter import Step, Trajectory, TrajectoryGroup, group_of
+from helpers import Step, Trajectory, TrajectoryGroup, group_of
 
 from rllm_skyrl.data_adapter import BatchConfig, sft_examples_to_batch, trajectory_groups_to_batch
 from rllm_skyrl.trajectory_checks import (

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from helpers import PAIRS, hf_state, sft_batch, skyrl_batch, skyrl_config
+from helpers import PAIRS, hf_state, server_vs_trainer, sft_batch, skyrl_config
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.engine import SkyRLEngine
@@ -55,24 +55,6 @@ def test_an_unknown_sync_method_is_refused(tmp_path):
         asyncio.run(weight_sync.sync_weights("nccl", None, None, tmp_path, version=1))
 
 
-def _server_vs_trainer(engine: SkyRLEngine, workers: SkyRLWorkers, tokenizer):
-    """Sample 8 completions; return (server logprobs, trainer logprobs) of the same tokens."""
-
-    async def sample():
-        messages = [[{"role": "user", "content": f"what is {i}?"}] for i in range(8)]
-        return await asyncio.gather(*(engine.get_model_response(m, seed=i) for i, m in enumerate(messages)))
-
-    outputs = asyncio.run(sample())
-    batch = skyrl_batch(
-        tokenizer.pad_token_id, [o.prompt_ids for o in outputs], [o.completion_ids for o in outputs]
-    )
-    trained = workers.forward("policy", batch, loss_fn="cross_entropy").loss_fn_outputs
-    server = torch.cat([torch.tensor(o.logprobs) for o in outputs])
-    trainer = torch.cat([torch.tensor(t["logprobs"]) for t in trained])
-    assert server.numel() == trainer.numel() >= 8
-    return server, trainer
-
-
 @pytest.mark.usefixtures("ray_cluster")
 def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, tmp_path):
     """On the tied tiny model: the harder case, where trainer and server could disagree on the head."""
@@ -83,18 +65,18 @@ def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, t
     servers = start_cpu_servers(model_dir, 1, tmp_path / "servers", weights_root=tmp_path / "sync")
     engine = SkyRLEngine.from_urls(servers.urls, tiny_tokenizer, max_prompt_length=64, max_response_length=6)
     try:
-        before, trainer_before = _server_vs_trainer(engine, workers, tiny_tokenizer)
+        before, trainer_before = server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (before - trainer_before).abs().max() <= SAME_POLICY
         batch, *_ = sft_batch(tiny_tokenizer, PAIRS)
         for _ in range(3):
             workers.forward_backward("policy", batch, loss_fn="cross_entropy")
             workers.optim_step("policy")
-        stale, trainer_now = _server_vs_trainer(engine, workers, tiny_tokenizer)
+        stale, trainer_now = server_vs_trainer(engine, workers, tiny_tokenizer)
         moved = (stale - trainer_now).abs().max()
         assert moved > 100 * SAME_POLICY, "the update should have moved the policy"
         method = Platform(cuda=False).weight_sync_method()
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
-        synced, trainer_synced = _server_vs_trainer(engine, workers, tiny_tokenizer)
+        synced, trainer_synced = server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().max() <= SAME_POLICY
         # The trainer kept the tied embeddings tied through training.
         exported = hf_state(str(tmp_path / "sync"))
