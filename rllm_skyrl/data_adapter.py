@@ -49,6 +49,7 @@ from rllm_skyrl.trajectory_checks import (
     int_ids,
     outcome_reward,
     real_scalar,
+    reward_given,
     step_fields,
     step_lineage,
     trajectory_label,
@@ -225,8 +226,9 @@ def _trajectory_rows(
     label = trajectory_label(group, traj_index)
     group_id = check_group_id(group, label)
     steps = check_trajectory(trajectory, label, config)
-    # The reward first: a bad reward is the usual cause of a bad advantage, so it is what to name.
-    reward = outcome_reward(trajectory, label, config)
+    # A bad reward is the usual cause of a bad advantage, so it is named first; a missing one waits
+    # for the steps, whose own problems (a step that is not a step) are then the cause.
+    reward = outcome_reward(trajectory, label, config) if reward_given(trajectory) else None
     scalar = None
     if advantage is not _NO_ADVANTAGE:
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
@@ -254,6 +256,8 @@ def _trajectory_rows(
                     f"more than max_seq_len={config.max_seq_len}",
                     "raise max_seq_len or cap the rollout's prompt and response lengths",
                 )
+    if reward is None:
+        reward = outcome_reward(trajectory, label, config)
     for row in rows:
         row.reward = reward
     return rows, len(steps)

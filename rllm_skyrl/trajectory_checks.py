@@ -275,6 +275,11 @@ def _outcome_reward_source(trajectory: Any) -> Any:
     return getattr(steps[-1], "reward", None) if isinstance(steps, list | tuple) and steps else None
 
 
+def reward_given(trajectory: Any) -> bool:
+    """Whether the trajectory (or its last step) carries a reward at all, well-formed or not."""
+    return _outcome_reward_source(trajectory) is not None
+
+
 def trajectory_reward(trajectory: Any) -> float | None:
     """The outcome reward for statistics and estimators; ``None`` when there is none. Never raises.
 
