@@ -83,10 +83,13 @@ def clean_stop(always: bool = False) -> Iterator[None]:
         atexit.register(gc.freeze)
     try:
         yield
-    except KeyboardInterrupt as stop:
-        if not command_line:
+    except (KeyboardInterrupt, SystemExit) as stop:
+        # ray.init replaces the SIGTERM handler with one that raises SystemExit(15).
+        terminated = isinstance(stop, Terminated) or (
+            isinstance(stop, SystemExit) and stop.code == signal.SIGTERM
+        )
+        if not command_line or not (terminated or isinstance(stop, KeyboardInterrupt)):
             raise
-        terminated = isinstance(stop, Terminated)
         print(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}", file=sys.stderr, flush=True)
         raise SystemExit(143 if terminated else 130) from None
     finally:

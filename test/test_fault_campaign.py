@@ -134,5 +134,11 @@ def test_a_stopped_run_leaves_no_process_within_10_s(tmp_path, how):
     assert len(tree) > 3, tree  # Ray's daemons, its workers and the server are running
     names = {p.pid: " ".join(p.cmdline())[:120] for p in tree}
     process.send_signal(getattr(signal, how))
-    leftovers = [names[pid] for pid in reap(tree, timeout=10)]
+    deadline = time.monotonic() + 10
+    code = process.wait(timeout=10)
+    leftovers = [names[pid] for pid in reap(tree[1:], timeout=max(0.0, deadline - time.monotonic()))]
     assert not leftovers, f"alive 10 s after {how}: {leftovers}\n{run.text[-3000:]}"
+    # It unwound (servers, workers and Ray stopped by the run itself), not died of the signal.
+    said = "SIGTERM" if how == "SIGTERM" else "Ctrl-C"
+    assert code == (143 if how == "SIGTERM" else 130), run.text[-3000:]
+    assert f"stopped by {said}" in run.text and "Traceback" not in run.text, run.text[-3000:]
