@@ -231,6 +231,21 @@ def server_vs_trainer(engine, workers, tokenizer) -> tuple[torch.Tensor, torch.T
     return server, trainer
 
 
+def policy_checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights and AdamW moments from a SkyRL checkpoint step directory, as fp32."""
+
+    def full(tensor):
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    model = torch.load(step_dir / "policy" / "model_world_size_1_rank_0.pt", weights_only=False)
+    optim = torch.load(step_dir / "policy" / "optim_world_size_1_rank_0.pt", weights_only=False)
+    tensors = {f"model/{k}": full(v).float() for k, v in model.items()}
+    for index, moments in optim["state"].items():
+        for name, value in moments.items():
+            tensors[f"optim/{index}/{name}"] = full(torch.as_tensor(value)).float()
+    return tensors
+
+
 # --------------------------------------------------------------------------- rLLM-shaped records
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import descendants, reap, wait_until
+from helpers import descendants, policy_checkpoint_tensors, reap, wait_until
 from training_runs import (
     Run,
     assert_ok,
@@ -277,19 +277,6 @@ def test_an_exception_around_fit_is_not_taken_for_a_failed_step(tmp_path):
 # ---------------------------------------------------------------------------- real runs
 
 
-def _model_and_optimizer(step_dir: Path) -> dict[str, torch.Tensor]:
-    def full(tensor):
-        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-    model = torch.load(step_dir / "policy" / "model_world_size_1_rank_0.pt", weights_only=False)
-    optim = torch.load(step_dir / "policy" / "optim_world_size_1_rank_0.pt", weights_only=False)
-    tensors = {f"model/{k}": full(v).float() for k, v in model.items()}
-    for index, moments in optim["state"].items():
-        for name, value in moments.items():
-            tensors[f"optim/{index}/{name}"] = full(torch.as_tensor(value)).float()
-    return tensors
-
-
 def test_checkpoints_hold_weights_optimizer_data_position_and_rng(digits_runs):
     straight = digits_runs.straight
     assert_ok(straight)
@@ -304,9 +291,9 @@ def test_checkpoints_hold_weights_optimizer_data_position_and_rng(digits_runs):
         # 4 tasks per step: after step N the loader's next batch starts at row 4N
         assert state["global_step"] == step and state["dataloader"]["cursor"] == 4 * step
         assert {"python", "numpy", "torch"} <= set(state["rng"])
-    tensors = _model_and_optimizer(ckpt / "global_step_4")
+    tensors = policy_checkpoint_tensors(ckpt / "global_step_4")
     assert any(k.endswith("exp_avg_sq") for k in tensors), "optimizer moments are not in the checkpoint"
-    early, late = _model_and_optimizer(ckpt / "global_step_2"), tensors
+    early, late = policy_checkpoint_tensors(ckpt / "global_step_2"), tensors
     assert any(not torch.equal(early[k], late[k]) for k in early if k.startswith("model/"))
 
 
@@ -341,14 +328,14 @@ def test_auto_resume_after_the_kill_matches_the_uninterrupted_run(digits_runs):
     assert not list((resumed.run_dir / "checkpoints").glob(".tmp_*"))  # the orphan was cleaned up
 
     # Same weights and optimizer state after step 4, up to float rounding.
-    a = _model_and_optimizer(straight.run_dir / "checkpoints" / "global_step_4")
-    b = _model_and_optimizer(resumed.run_dir / "checkpoints" / "global_step_4")
+    a = policy_checkpoint_tensors(straight.run_dir / "checkpoints" / "global_step_4")
+    b = policy_checkpoint_tensors(resumed.run_dir / "checkpoints" / "global_step_4")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst < 1e-6, f"resumed weights differ from the straight run's by {worst}"
     initial_gap = max(
         (a[k] - v).abs().max().item()
-        for k, v in _model_and_optimizer(straight.run_dir / "checkpoints" / "global_step_2").items()
+        for k, v in policy_checkpoint_tensors(straight.run_dir / "checkpoints" / "global_step_2").items()
         if k.startswith("model/")
     )
     assert initial_gap > 100 * max(worst, 1e-9)  # training moved the weights far more than that
@@ -419,7 +406,7 @@ def test_resume_path_and_disable_in_real_runs(tmp_path):
     wait(first, launch(first, [*base, "rllm.trainer.total_batches=3"], env), time.monotonic())
     assert_ok(first)
     ckpt = first.run_dir / "checkpoints"
-    before = _model_and_optimizer(ckpt / "global_step_3")
+    before = policy_checkpoint_tensors(ckpt / "global_step_3")
 
     branch = Run(first.run_dir, tmp_path / "b.out", tmp_path / "b.jsonl")
     overrides = [*base, "rllm.trainer.total_batches=3", "training.resume_mode=resume_path"]
@@ -428,7 +415,7 @@ def test_resume_path_and_disable_in_real_runs(tmp_path):
     assert_ok(branch)
     assert "global_step_1 (step 1)" in branch.text
     assert sorted(train_task_ids_by_step(branch.rollouts())) == [2, 3]  # steps 2 and 3 again
-    after = _model_and_optimizer(ckpt / "global_step_3")  # re-saved in place
+    after = policy_checkpoint_tensors(ckpt / "global_step_3")  # re-saved in place
     assert max((before[k] - after[k]).abs().max().item() for k in before) < 1e-6
     assert (ckpt / LATEST).read_text() == "global_step_3" and not list(ckpt.glob(".old_*"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PAIRS, server_vs_trainer, sft_batch, skyrl_config
+from helpers import PAIRS, policy_checkpoint_tensors, server_vs_trainer, sft_batch, skyrl_config
 from hydra import compose, initialize_config_module
 from rllm_harness import (
     DIGITS,
@@ -369,19 +369,6 @@ def test_export_writes_the_adapter_and_on_request_a_merged_model(trained, tiny_m
 # ---------------------------------------------------------------------------- checkpoint and resume
 
 
-def _checkpoint(step_dir: Path) -> dict[str, torch.Tensor]:
-    def full(tensor):
-        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-    model = torch.load(step_dir / "policy" / "model_world_size_1_rank_0.pt", weights_only=False)
-    optim = torch.load(step_dir / "policy" / "optim_world_size_1_rank_0.pt", weights_only=False)
-    tensors = {f"model/{k}": full(v).float() for k, v in model.items()}
-    for index, moments in optim["state"].items():
-        for name, value in moments.items():
-            tensors[f"optim/{index}/{name}"] = full(torch.as_tensor(value)).float()
-    return tensors
-
-
 def test_a_lora_run_resumes_exactly(tmp_path):
     """4 LoRA steps straight, against 2 steps resumed from the straight run's step-2 checkpoint."""
     common = [
@@ -410,13 +397,13 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 
     expected = train_task_ids_by_step(straight.rollouts())
     assert train_task_ids_by_step(resumed.rollouts()) == {step: expected[step] for step in (3, 4)}
-    a = _checkpoint(checkpoints / "global_step_4")
-    b = _checkpoint(resumed.run_dir / "checkpoints" / "global_step_4")
+    a = policy_checkpoint_tensors(checkpoints / "global_step_4")
+    b = policy_checkpoint_tensors(resumed.run_dir / "checkpoints" / "global_step_4")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     moved = max(
         (a[k] - v).abs().max().item()
-        for k, v in _checkpoint(checkpoints / "global_step_2").items()
+        for k, v in policy_checkpoint_tensors(checkpoints / "global_step_2").items()
         if "lora_" in k
     )
     print(f"\nLoRA resume: max |straight - resumed| {worst:.2e}; adapters moved {moved:.2e} over steps 3-4")
