@@ -68,9 +68,9 @@ def clean_stop(always: bool = False) -> Iterator[None]:
     unwinds like Ctrl-C (servers, workers and Ray stopped; the log says which checkpoint a rerun
     continues from): before ``ray.init`` through this handler, after it through Ray's own, which
     raises ``SystemExit(15)`` and is recognised here. On the command line (a Hydra app, or
-    ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and the objects still alive are frozen at exit: the
-    interpreter's last garbage collection would otherwise walk everything torch, Ray and
-    transformers loaded, which takes 5 s on two busy cores.
+    ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and the objects
+    still alive are frozen at exit: the interpreter's last garbage collection would otherwise walk
+    everything torch, Ray and transformers loaded, which takes 5 s on two busy cores.
     """
     from hydra.core.hydra_config import HydraConfig
 
