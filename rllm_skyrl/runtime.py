@@ -66,6 +66,10 @@ def start_ray(
     """
     if ray.is_initialized():
         return False
+    # Imported before ray.init: SkyRL registers its built-in functions on import, and with Ray up
+    # that would start SkyRL's own registry actors before ours (see ``_sync_skyrl_registries``).
+    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
+
     platform = platform or Platform.detect()
     platform.prepare_process()
     joining = bool(os.environ.get("RAY_ADDRESS"))
@@ -84,25 +88,21 @@ def start_ray(
             **platform.ray_resources(num_cpus),
         )
 
-    _sync_skyrl_registries()
+    _sync_skyrl_registries((PolicyLossRegistry, AdvantageEstimatorRegistry))
     return True
 
 
-def _sync_skyrl_registries() -> None:
-    """SkyRL's ``sync_registries``, with its two registry actors started side by side.
+def _sync_skyrl_registries(registries: tuple[type, ...]) -> None:
+    """SkyRL's ``sync_registries``, into registry actors whose processes do not import torch.
 
-    Each registry (policy losses, advantage estimators) lives in a named Ray actor whose process
-    start imports torch: one after the other they were half of a local Ray's bring-up (8 s of
-    11 s on two cores), together they take the time of one.
+    Functions registered in this process before ``ray.init`` reach the actors here, and from them
+    every worker; see ``registry_actors`` for why the actors are ours.
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from rllm_skyrl.registry_actors import start_registry_actors
 
-    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
-
-    registries = (PolicyLossRegistry, AdvantageEstimatorRegistry)
-    with ThreadPoolExecutor(len(registries)) as pool:
-        for done in [pool.submit(registry.sync_with_actor) for registry in registries]:
-            done.result()
+    start_registry_actors([registry._actor_name for registry in registries])
+    for registry in registries:
+        registry.sync_with_actor()
 
 
 def _require_ray_token() -> None:

@@ -9,18 +9,23 @@
 The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
 ``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
 driver puts into the runtime env: the decision is made once, by the driver, and no worker asks
-CUDA anything before Ray has assigned it its devices.
+CUDA anything before Ray has assigned it its devices. A patch set's module (which imports torch
+and SkyRL's worker modules) is imported only when that set is applied, so a Ray process that is
+given no set, such as a registry actor (``registry_actors``), starts without them.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable
 
-from rllm_skyrl.compat import cpu, flash_attn, tied_embeddings
-
 # Application order: the stub first, because the other sets import SkyRL's worker modules.
-PATCH_SETS = {"flash_attn_stub": flash_attn, "cpu": cpu, "tied_embeddings": tied_embeddings}
+PATCH_SETS = {
+    "flash_attn_stub": "rllm_skyrl.compat.flash_attn",
+    "cpu": "rllm_skyrl.compat.cpu",
+    "tied_embeddings": "rllm_skyrl.compat.tied_embeddings",
+}
 SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
 ENV_VAR = "RLLM_SKYRL_COMPAT"
 
@@ -33,7 +38,7 @@ def apply(names: Iterable[str]) -> None:
         raise ValueError(f"unknown SkyRL patch set(s) {unknown}; known: {list(PATCH_SETS)}")
     for name, module in PATCH_SETS.items():
         if name in wanted:
-            module.apply()
+            importlib.import_module(module).apply()
 
 
 def apply_from_env() -> None:
