@@ -29,7 +29,6 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
     apply_loss_reduction_to_advantages_minibatch,
     compute_gae_advantage_return,
 )
-from skyrl.train.dataset.preprocess import compute_prompt_boundaries
 
 from rllm_skyrl.compat import rllm
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
@@ -381,6 +380,8 @@ def apply_loss_reduction(
     uids = batch.metadata.get("uids")
     if skyrl_reduction == "prompt_mean" and uids is None:
         raise ValueError("prompt_mean needs metadata['uids'] (the group of each row)")
+    if skyrl_reduction == "prompt_mean":  # its module imports datasets and pandas: 1 s at start-up
+        from skyrl.train.dataset.preprocess import compute_prompt_boundaries
     advantages_BT = batch["advantages"]
     scaled_BT = torch.zeros_like(advantages_BT)
     for start, end in boundaries:

@@ -17,7 +17,8 @@ import ray
 
 from rllm_skyrl import compat
 
-
+# SkyRL's ``PolicyLossRegistry._actor_name`` and ``AdvantageEstimatorRegistry._actor_name``.
+REGISTRY_ACTOR_NAMES = ("policy_loss_registry", "advantage_estimator_registry")
 # The creator's handles, held for the run: Ray stops an actor once its creator holds no handle.
 _handles: dict[str, ray.actor.ActorHandle] = {}
 
@@ -42,13 +43,23 @@ class FunctionStore:
         return self.functions.pop(name, None)
 
 
-def start_registry_actors(names: list[str]) -> None:
-    """One ``FunctionStore`` per registry actor name, unless an actor of that name already runs.
+def start_registry_actors() -> None:
+    """A ``FunctionStore`` under each of SkyRL's registry actor names, unless one already runs.
 
-    Returns once they answer: until then Ray may not resolve their names yet, and SkyRL, finding
-    none, would start its own.
+    Call right after ``ray.init``, before any process of the run imports SkyRL's ``ppo_utils`` with
+    Ray up (its import registers the built-in functions, creating SkyRL's own actors if none
+    exist). Does not wait for the processes: a named actor is found by name from its creation on.
     """
     no_patches = {"env_vars": {compat.ENV_VAR: ""}}
-    for name in names:
+    for name in REGISTRY_ACTOR_NAMES:
         _handles[name] = FunctionStore.options(name=name, get_if_exists=True, runtime_env=no_patches).remote()
-    ray.get([_handles[name].list_available.remote() for name in names])
+
+
+def sync_skyrl_registries() -> None:
+    """SkyRL's ``sync_registries``: functions registered in this process reach the actors, and from
+    them every worker that looks one up; call after ``start_registry_actors``, before the workers
+    build their models."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
+
+    for registry in (PolicyLossRegistry, AdvantageEstimatorRegistry):
+        registry.sync_with_actor()

@@ -62,16 +62,19 @@ def start_ray(
 ) -> bool:
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
-    With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started.
+    With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started. The registry
+    actors of SkyRL's loss and estimator functions are started with it (``registry_actors``); the
+    workers sync them when they start.
     """
     if ray.is_initialized():
         return False
     # Imported before ray.init: SkyRL registers its built-in functions on import, and with Ray up
-    # that would start SkyRL's own registry actors before ours (see ``_sync_skyrl_registries``).
-    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
+    # that would start SkyRL's own registry actors before ours.
+    import skyrl.backends.skyrl_train.utils.ppo_utils  # noqa: F401
+
+    from rllm_skyrl.registry_actors import start_registry_actors
 
     platform = platform or Platform.detect()
-    platform.prepare_process()
     joining = bool(os.environ.get("RAY_ADDRESS"))
     runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining)
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
@@ -85,24 +88,12 @@ def start_ray(
             runtime_env=runtime_env,
             log_to_driver=False,
             include_dashboard=False,
+            _system_config={"prestart_worker_first_driver": False},
             **platform.ray_resources(num_cpus),
         )
 
-    _sync_skyrl_registries((PolicyLossRegistry, AdvantageEstimatorRegistry))
+    start_registry_actors()
     return True
-
-
-def _sync_skyrl_registries(registries: tuple[type, ...]) -> None:
-    """SkyRL's ``sync_registries``, into registry actors whose processes do not import torch.
-
-    Functions registered in this process before ``ray.init`` reach the actors here, and from them
-    every worker; see ``registry_actors`` for why the actors are ours.
-    """
-    from rllm_skyrl.registry_actors import start_registry_actors
-
-    start_registry_actors([registry._actor_name for registry in registries])
-    for registry in registries:
-        registry.sync_with_actor()
 
 
 def _require_ray_token() -> None:
@@ -185,6 +176,8 @@ class Runtime:
             if serve and not colocated and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
                 with phase("servers_launch"):
                     runtime.servers = start_servers(run, runtime.tokenizer)
+            with phase("imports"):
+                run.platform.prepare_process()
             with phase("ray"):
                 runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
             if colocated:

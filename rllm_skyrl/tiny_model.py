@@ -104,13 +104,12 @@ def build_tokenizer(vocab_size: int):
 
 def build_tiny_model(config: TinyModelConfig | None = None, cache_dir: str | Path | None = None) -> Path:
     """Return a directory holding a saved tiny model + tokenizer, building it once per config."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     config = config or TinyModelConfig()
     out = Path(cache_dir or default_cache_dir()) / f"qwen3-tiny-{config.key()}"
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return out
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(config.vocab_size)
     hf_config = Qwen3Config(

@@ -14,6 +14,7 @@ import logging
 import ray
 
 from rllm_skyrl.platform import Platform
+from rllm_skyrl.registry_actors import sync_skyrl_registries
 from rllm_skyrl.run_config import roles_for
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class SkyRLWorkers:
                     colocate_all=colocated,
                     sequence_parallel_size=getattr(cfg.trainer, role).sequence_parallel_size,
                 )
+            sync_skyrl_registries()  # while the actors' processes start: before they look a loss up
             self._init_models(total_training_steps)
         except BaseException:
             self.shutdown()

@@ -217,6 +217,7 @@ def test_actor_groups_are_built_as_skyrls_trainer_builds_them(monkeypatch, coloc
     monkeypatch.setattr(worker_dispatch, "WorkerDispatch", dispatch)
     monkeypatch.setattr(workers_module.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(workers_module.ray, "get", lambda refs: refs)
+    monkeypatch.setattr(workers_module, "sync_skyrl_registries", lambda: calls.append(("sync_registries",)))
     cfg = make_skyrl_config(
         {
             "trainer.policy.model.path": "m",
@@ -233,6 +234,7 @@ def test_actor_groups_are_built_as_skyrls_trainer_builds_them(monkeypatch, coloc
     assert group_kwargs["num_gpus_per_actor"] == (COLOCATED_GPU_SHARE if colocated else 1)
     assert [name for name, *_ in calls] == [
         "PPORayActorGroup",
+        "sync_registries",  # after the actors exist, before they look a loss up
         "async_init_model",
         "async_run_ray_method",
         "WorkerDispatch",

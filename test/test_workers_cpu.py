@@ -87,3 +87,44 @@ def test_repeated_cross_entropy_steps_halve_the_loss(policy, tiny_tokenizer):
         grad_norm = policy.optim_step("policy")
         assert grad_norm is not None and grad_norm > 0
     assert losses[-1] <= 0.5 * losses[0], losses
+
+
+def test_a_loss_registered_in_the_driver_reaches_the_workers_through_torch_free_registry_actors(
+    policy, tiny_tokenizer
+):
+    """SkyRL's registry actors are this package's ``FunctionStore``, in processes that import no
+    torch; through them a policy loss registered in the driver after start-up is the one a worker
+    computes (twice the cross-entropy here)."""
+    import ray
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, cross_entropy_loss
+
+    from rllm_skyrl import compat
+    from rllm_skyrl.registry_actors import REGISTRY_ACTOR_NAMES
+
+    for name in REGISTRY_ACTOR_NAMES:
+        assert ray.get_actor(name)._ray_actor_creation_function_descriptor.class_name == "FunctionStore"
+
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {compat.ENV_VAR: ""}})
+    def imports_torch() -> bool:
+        import sys
+
+        import rllm_skyrl.registry_actors  # noqa: F401
+
+        return "torch" in sys.modules
+
+    assert ray.get(imports_torch.remote()) is False
+
+    def doubled_cross_entropy(*args, **kwargs):
+        loss, metrics = cross_entropy_loss(*args, **kwargs)
+        return 2 * loss, metrics
+
+    PolicyLossRegistry.register("doubled_cross_entropy", doubled_cross_entropy)
+    try:
+        rewind(policy)
+        batch, *_ = sft_batch(tiny_tokenizer, PAIRS)
+        plain = policy.forward_backward("policy", batch, loss_fn="cross_entropy").metrics["loss"]
+        rewind(policy)
+        doubled = policy.forward_backward("policy", batch, loss_fn="doubled_cross_entropy").metrics
+    finally:
+        PolicyLossRegistry.unregister("doubled_cross_entropy")
+    assert doubled["final_loss" if "final_loss" in doubled else "loss"] == pytest.approx(2 * plain, rel=1e-5)
