@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
 MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
+# Distinct conversations whose prompt ids are kept (a batch's tasks, with room to spare).
+RENDER_CACHE_SIZE = 4096
 
 # Per-call keyword arguments that become sampling params (vLLM names).
 _SAMPLING_KEYS = frozenset(
@@ -136,6 +138,7 @@ class SkyRLEngine:
         self.is_validation = False
         self.weight_version = 0
         self.ledger = RolloutLedger()
+        self._rendered: dict[str, list[int]] = {}  # see render()
         self.batcher = SampleBatcher(model)
         self._chat_parser: Any = None
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
@@ -238,7 +241,25 @@ class SkyRLEngine:
         accumulate_reasoning: bool = False,
     ) -> list[int]:
         """Prompt ids: the tokenizer's own chat template, or rLLM's parser when asked to render with it
-        (``rollout_engine.bypass_render_with_parser``, as rLLM's tinker engine does)."""
+        (``rollout_engine.bypass_render_with_parser``, as rLLM's tinker engine does).
+
+        Every task is rolled out n times at once, so the same messages come n times in a row: the
+        ids are kept for the last ``RENDER_CACHE_SIZE`` distinct JSON-serialisable conversations.
+        """
+        try:
+            key = json.dumps([messages, tools, accumulate_reasoning], sort_keys=True)
+        except (TypeError, ValueError):  # not plain JSON (an image, say): rendered every time
+            return self._render(messages, tools, accumulate_reasoning)
+        ids = self._rendered.get(key)
+        if ids is None:
+            if len(self._rendered) >= RENDER_CACHE_SIZE:
+                self._rendered.clear()
+            ids = self._rendered[key] = self._render(messages, tools, accumulate_reasoning)
+        return list(ids)
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, accumulate_reasoning: bool
+    ) -> list[int]:
         if self.render_with_parser:
             text = self.chat_parser.parse(
                 messages,

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rllm_skyrl.batch_layout import right_aligned
+
 # Sampler-vs-trainer and policy-vs-reference KL, in the order dashboards and plots prefer them.
 KL_KEYS = ("train/kl", "train/kl_sample_train_v1", "train/kl_sample_train_v2", "policy/kl")
 _POLICY_NAMES = {
@@ -62,19 +64,16 @@ def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> di
     stale weights). Definitions are tinker's: ``v1 = mean |Δ|``, ``v2 = mean Δ² / 2``,
     ``entropy = -mean(sampled logprob)``, ``perplexity = exp(entropy)``, over model tokens.
     """
-    gaps, sample_logprobs = [], []
-    for i, output in enumerate(loss_fn_outputs):
-        trainer_T = torch.as_tensor(output.get("logprobs", []), dtype=torch.float32)
-        n = trainer_T.numel()
-        if n == 0:
-            continue
-        mask_T = batch["loss_mask"][i, -n:] > 0
-        rollout_T = batch["rollout_logprobs"][i, -n:].float()
-        gaps.append((rollout_T - trainer_T)[mask_T])
-        sample_logprobs.append(rollout_T[mask_T])
-    if not gaps or not torch.cat(gaps).numel():
+    rows = [output.get("logprobs", []) for output in loss_fn_outputs]
+    width = batch["loss_mask"].shape[1]
+    lengths_B = torch.tensor([len(row) for row in rows])
+    # Each row's logprobs are its last len(row) tokens; of those, the loss-masked ones count.
+    counted_BT = (torch.arange(width) >= width - lengths_B[:, None]) & (batch["loss_mask"][: len(rows)] > 0)
+    if not counted_BT.any():
         return {}
-    gap_N, sampled_N = torch.cat(gaps), torch.cat(sample_logprobs)
+    rollout_BT = batch["rollout_logprobs"][: len(rows)].float()
+    gap_N = (rollout_BT - right_aligned(rows, width))[counted_BT]
+    sampled_N = rollout_BT[counted_BT]
     entropy = -sampled_N.mean().item()
     return {
         "train/kl_sample_train_v1": gap_N.abs().mean().item(),

@@ -86,6 +86,7 @@ class ModelRegistry:
         # there, and the elementwise recomputation must read the same values.
         self._algorithm = {role: copy.deepcopy(workers.cfg.trainer.algorithm) for role in MODEL_ROLES}
         self._critic_value_clip_on_workers = self._algorithm[CRITIC].value_clip
+        self._loss_configs: dict[str, Any] = {}  # see _policy_loss_config
 
     # ------------------------------------------------------------------ registry
 
@@ -247,6 +248,7 @@ class ModelRegistry:
         self.workers.set_algorithm_config(role, **settings)
         for key, value in settings.items():
             setattr(algorithm, key, value)
+        self._loss_configs.clear()
         if role == CRITIC and "value_clip" in settings:
             self._critic_value_clip_on_workers = settings["value_clip"]
 
@@ -291,7 +293,7 @@ class ModelRegistry:
             elementwise = [out.loss_fn_outputs[i]["elementwise_loss"] for i in range(batch.batch_size)]
         else:
             elementwise_BT = self._elementwise_policy_loss(resolved, batch, logprobs)
-            elementwise = None if elementwise_BT is None else list(elementwise_BT)
+            elementwise = None if elementwise_BT is None else elementwise_BT.tolist()
         rows = []
         for i in range(n_real):
             row = {"logprobs": logprobs[i]}
@@ -299,6 +301,24 @@ class ModelRegistry:
                 row["elementwise_loss"] = elementwise[i]
             rows.append(row)
         return _tinker_output(out.loss_fn_output_type, rows, metrics, batch)
+
+    def _policy_loss_config(self, resolved: ResolvedLoss) -> Any:
+        """The policy's AlgorithmConfig with ``resolved``'s overrides, None when the elementwise
+        recomputation is not exact for it; kept per override set (merging costs milliseconds a step)."""
+        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (
+            off_policy_correction_enabled,
+        )
+
+        key = f"{resolved.skyrl_loss_name}:{sorted(resolved.skyrl_config.items())!r}"
+        if key not in self._loss_configs:
+            base = self._algorithm[POLICY]
+            merged = OmegaConf.merge(OmegaConf.create(asdict(base)), OmegaConf.create(resolved.skyrl_config))
+            config = type(base).from_dict_config(merged)
+            exact = resolved.skyrl_loss_name in _MASK_GRADIENT_LOSSES and not off_policy_correction_enabled(
+                config.off_policy_correction
+            )
+            self._loss_configs[key] = config if exact else None
+        return self._loss_configs[key]
 
     def _elementwise_policy_loss(
         self, resolved: ResolvedLoss, batch: TrainingInputBatch, logprobs: list[list[float]]
@@ -308,17 +328,10 @@ class ModelRegistry:
         The worker merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf
         (``worker.py`` ``_forward_backward_micro``); the same merge is done here.
         """
-        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (
-            off_policy_correction_enabled,
-        )
         from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
-        base = self._algorithm[POLICY]
-        merged = OmegaConf.merge(OmegaConf.create(asdict(base)), OmegaConf.create(resolved.skyrl_config))
-        config = type(base).from_dict_config(merged)
-        if resolved.skyrl_loss_name not in _MASK_GRADIENT_LOSSES or off_policy_correction_enabled(
-            config.off_policy_correction
-        ):
+        config = self._policy_loss_config(resolved)
+        if config is None:
             return None
         loss_mask_BT = batch["loss_mask"].float()
         width = loss_mask_BT.shape[1]

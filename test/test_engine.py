@@ -254,3 +254,23 @@ def test_reasoning_and_tool_calls_are_parsed(tiny_tokenizer):
     assert out.reasoning == "add them"
     assert out.content.startswith("the answer")
     assert [(c.name, c.arguments) for c in out.tool_calls] == [("calc", {"a": 3})]
+
+
+def test_render_reuses_the_ids_of_a_conversation_without_sharing_them(tiny_tokenizer):
+    """The n rollouts of a task render once; each caller gets its own list, and a different
+    conversation (or one that is not plain JSON) is rendered afresh."""
+    engine = SkyRLEngine.from_urls(
+        ["http://127.0.0.1:9"], tiny_tokenizer, max_prompt_length=64, max_response_length=8
+    )
+    expected = tiny_tokenizer.encode(
+        tiny_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    first = engine.render(MESSAGES)
+    first.append(-1)  # a caller's edit stays its own
+    assert engine.render(MESSAGES) == expected and len(engine._rendered) == 1
+    other = [{"role": "user", "content": "what is 5 plus 1?"}]
+    assert engine.render(other) != expected and len(engine._rendered) == 2
+
+    unusual = [{**MESSAGES[0], "meta": object()}]  # not JSON: rendered every time, never kept
+    assert engine.render(unusual) == expected and len(engine._rendered) == 2

@@ -228,3 +228,33 @@ def test_masking_covers_log_records_loguru_argv_and_hydra_yaml(capsys):
     finally:
         loguru_logger.remove(sink)
     assert secret not in capsys.readouterr().err
+
+
+def test_logprob_gap_metrics_equal_a_row_by_row_computation():
+    """Rows of every length (none, some, the full window) under a random loss mask."""
+    import torch
+
+    from rllm_skyrl.metrics import logprob_gap_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    rows, width = 64, 5
+    lengths = torch.randint(0, width + 1, (rows,), generator=generator).tolist()
+    outputs = [{"logprobs": torch.randn(n, generator=generator).tolist()} for n in lengths]
+    batch = {
+        "loss_mask": (torch.rand(rows, width, generator=generator) > 0.3).float(),
+        "rollout_logprobs": torch.randn(rows, width, generator=generator),
+    }
+    gaps, sampled = [], []
+    for i, n in enumerate(lengths):
+        if n:
+            counted = batch["loss_mask"][i, -n:] > 0
+            rollout = batch["rollout_logprobs"][i, -n:]
+            gaps.append((rollout - torch.tensor(outputs[i]["logprobs"]))[counted])
+            sampled.append(rollout[counted])
+    gap, entropy = torch.cat(gaps), -torch.cat(sampled).mean().item()
+    metrics = logprob_gap_metrics(batch, outputs)
+    assert metrics["train/kl_sample_train_v1"] == pytest.approx(gap.abs().mean().item(), rel=1e-6)
+    assert metrics["train/kl_sample_train_v2"] == pytest.approx(0.5 * gap.pow(2).mean().item(), rel=1e-6)
+    assert metrics["train/logprob_abs_diff/max"] == pytest.approx(gap.abs().max().item(), rel=1e-6)
+    assert metrics["train/entropy"] == pytest.approx(entropy, rel=1e-6)
+    assert logprob_gap_metrics(batch, [{"logprobs": []}] * rows) == {}
