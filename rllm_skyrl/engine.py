@@ -30,6 +30,7 @@ MAX_PROMPT_LENGTH_EXCEEDED = "max_prompt_length_exceeded"
 MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
 # Distinct conversations whose prompt ids are kept (a batch's tasks, with room to spare).
 RENDER_CACHE_SIZE = 4096
+_RENDER_KEY = json.JSONEncoder(sort_keys=True)
 
 # Per-call keyword arguments that become sampling params (vLLM names).
 _SAMPLING_KEYS = frozenset(
@@ -247,7 +248,7 @@ class SkyRLEngine:
         ids are kept for the last ``RENDER_CACHE_SIZE`` distinct JSON-serialisable conversations.
         """
         try:
-            key = json.dumps([messages, tools, accumulate_reasoning], sort_keys=True)
+            key = _RENDER_KEY.encode([messages, tools, accumulate_reasoning])
         except (TypeError, ValueError):  # not plain JSON (an image, say): rendered every time
             return self._render(messages, tools, accumulate_reasoning)
         ids = self._rendered.get(key)
