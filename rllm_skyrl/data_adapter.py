@@ -199,7 +199,7 @@ class _Row:
         return f"{self.label} {self.step_span}"
 
     def spec(self) -> RowSpec:
-        return RowSpec(self.prompt_ids, self.pieces, self.reward)
+        return RowSpec(self.prompt_ids, self.pieces, self.reward, np.frombuffer(self.tail, dtype=np.int64))
 
 
 def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
