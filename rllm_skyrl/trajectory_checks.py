@@ -28,7 +28,9 @@ What is accepted (only fields the conversion reads are checked):
 
 Element checks are vectorised: a list is packed in one ``struct.pack`` call (C code that rejects
 what is not an integer / real number, a few ns per element) and checked with numpy; only elements
-whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one.
+whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one. A trajectory
+of plain lists is checked by the same criteria all at once (``packed_steps``); one that may be
+malformed is then checked step by step, so that its first problem is the one named.
 """
 
 from __future__ import annotations
@@ -547,7 +549,7 @@ def packed_steps(
 
 def _clean_ids(ids: np.ndarray, lists: list[Any], bounds: list[int], vocab_size: int | None) -> bool:
     """Whether ``int_ids`` accepts each of ``lists`` (``ids[bounds[i]:bounds[i + 1]]``): in range, no bool."""
-    unsigned = ids.view(np.uint64)  # so that a negative id, or one read as 2**63 or more, is out of range
+    unsigned = ids.view(np.uint64)  # an id of 2**63 or more (read as unsigned) must not look negative
     limit = _INT64_LIMIT if vocab_size is None else min(vocab_size, _INT64_LIMIT)
     if int(np.maximum.reduce(unsigned)) >= limit:
         return False
