@@ -242,7 +242,7 @@ def _trajectory_rows(
         for index, step in lineage:
             if packed is not None:
                 turn = _Turn(index, packed.fields[index], packed.raw, packed.starts[index])
-            else:  # checked step by step, so the first problem in step order is the one named
+            else:  # checked step by step, so that the first problem met is the one named
                 fields = step_fields(label, index, step, config, scalar, needs_advantages)
                 turn = _Turn(index, fields, fields.prompt_ids.tobytes() + fields.response_ids.tobytes(), 0)
             if row is not None and row.extended_by(turn):
