@@ -40,11 +40,17 @@ class Piece(NamedTuple):
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One row: its prompt, its response window as pieces, and the outcome reward on its last token."""
+    """One row: its prompt, its response window as pieces, and the outcome reward on its last token.
+
+    ``tokens``, when given, is the prompt followed by every piece's ids as one array (a merged
+    multi-turn row is its last step's prompt and response), which is copied into the row at once
+    instead of piece by piece.
+    """
 
     prompt_ids: np.ndarray
     pieces: Sequence[Piece]
     reward: float = 0.0
+    tokens: np.ndarray | None = None
 
     @property
     def response_length(self) -> int:
@@ -77,7 +83,7 @@ def build_rows(
     width = int(response_lens.max())
     num_rows = len(rows)
 
-    sequences = np.full((num_rows, max_total), pad_token_id, dtype=np.int64)
+    sequences = np.empty((num_rows, max_total), dtype=np.int64)
     loss_mask = np.zeros((num_rows, width), dtype=np.float32)
     rewards = np.zeros((num_rows, width), dtype=np.float32)
     logprobs_BT = np.zeros((num_rows, width), dtype=np.float32) if logprobs else None
@@ -87,20 +93,21 @@ def build_rows(
         sequence, mask = sequences[i], loss_mask[i]
         row_logprobs = logprobs_BT[i] if logprobs_BT is not None else None
         row_advantages = advantages_BT[i] if advantages_BT is not None else None
-        position = max_total - int(prompt_lens[i] + response_lens[i])
-        sequence[position : position + len(row.prompt_ids)] = row.prompt_ids
-        position += len(row.prompt_ids)
+        start = max_total - int(prompt_lens[i] + response_lens[i])
+        sequence[:start] = pad_token_id
+        if row.tokens is not None:
+            sequence[start:] = row.tokens
+        else:
+            np.concatenate([row.prompt_ids, *(piece.ids for piece in row.pieces)], out=sequence[start:])
         column = width - int(response_lens[i])
         for piece in row.pieces:
             n = len(piece.ids)
-            sequence[position : position + n] = piece.ids
             if piece.trained:
                 mask[column : column + n] = 1.0
                 if row_logprobs is not None and piece.logprobs is not None:
                     row_logprobs[column : column + n] = piece.logprobs
                 if row_advantages is not None and piece.advantages is not None:
                     row_advantages[column : column + n] = piece.advantages
-            position += n
             column += n
     rewards[:, width - 1] = [row.reward for row in rows]
     attention_mask = _trailing_ones(prompt_lens + response_lens, max_total)

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from statistics import fmean
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
@@ -42,12 +42,14 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from rllm_skyrl.batch_layout import Piece, RowSpec, build_rows, pad_to_multiple
 from rllm_skyrl.trajectory_checks import (
     MalformedTrajectoryError,
+    StepFields,
     check_group,
     check_group_id,
     check_trajectory,
     group_label,
     int_ids,
     outcome_reward,
+    packed_steps,
     real_scalar,
     reward_given,
     step_fields,
@@ -132,53 +134,59 @@ class BatchStats:
         return out
 
 
+class _Turn(NamedTuple):
+    """A checked step; its prompt then response ids are int64 bytes of ``raw`` from byte ``start``."""
+
+    index: int
+    fields: StepFields
+    raw: bytes
+    start: int
+
+
 @dataclass
 class _Row:
-    """One training row under construction: a prompt and the pieces of its response window.
+    """One training row under construction, begun by its first step: a prompt and its response pieces.
 
     The row so far is always the last merged step's prompt followed by its response, which is what
-    a continuing step's prompt must start with.
+    a continuing step's prompt must start with; ``tail`` holds those ids as int64 bytes.
     """
 
     label: str
     group_id: str
-    prompt_ids: np.ndarray
-    first_step: int
+    first: InitVar[_Turn]
     reward: float = 0.0
-    pieces: list[Piece] = field(default_factory=list)
-    model_tokens: int = 0
+    prompt_ids: np.ndarray = field(init=False)
+    first_step: int = field(init=False)
+    pieces: list[Piece] = field(init=False, default_factory=list)
+    model_tokens: int = field(init=False, default=0)
     last_step: int = field(init=False)
-    last_prompt: np.ndarray = field(init=False)
-    last_response: np.ndarray = field(init=False)
     length: int = field(init=False)
+    tail: memoryview = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.last_step = self.first_step
-        self.last_prompt, self.last_response = self.prompt_ids, self.prompt_ids[:0]
+    def __post_init__(self, first: _Turn) -> None:
+        self.prompt_ids, self.first_step = first.fields.prompt_ids, first.index
         self.length = len(self.prompt_ids)
+        self.append(first)
 
     @property
     def response_length(self) -> int:
         return self.length - len(self.prompt_ids)
 
-    def extended_by(self, prompt_ids: np.ndarray) -> bool:
-        """Whether a step with this prompt continues the row (its prompt starts with the row so far)."""
-        if len(prompt_ids) < self.length:
-            return False
-        raw = _raw(prompt_ids)
-        return raw.startswith(_raw(self.last_prompt)) and raw.startswith(
-            _raw(self.last_response), self.last_prompt.nbytes
-        )
+    def extended_by(self, turn: _Turn) -> bool:
+        """Whether the step continues the row (its prompt starts with the row so far): one memcmp."""
+        return len(turn.fields.prompt_ids) >= self.length and turn.raw.startswith(self.tail, turn.start)
 
-    def append(self, step_index: int, prompt_ids: np.ndarray, response: Piece) -> None:
+    def append(self, turn: _Turn) -> None:
         """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
-        observation = prompt_ids[self.length :]
+        fields = turn.fields
+        observation = fields.prompt_ids[self.length :]
         if len(observation):
             self.pieces.append(Piece(observation, trained=False))
-        self.pieces.append(response)
-        self.model_tokens += len(response.ids)
-        self.last_step, self.last_prompt, self.last_response = step_index, prompt_ids, response.ids
-        self.length = len(prompt_ids) + len(response.ids)
+        self.pieces.append(Piece(fields.response_ids, True, fields.logprobs, fields.advantages))
+        self.model_tokens += len(fields.response_ids)
+        self.last_step = turn.index
+        self.length = len(fields.prompt_ids) + len(fields.response_ids)
+        self.tail = memoryview(turn.raw)[turn.start : turn.start + 8 * self.length]
 
     @property
     def step_span(self) -> str:
@@ -191,13 +199,7 @@ class _Row:
         return f"{self.label} {self.step_span}"
 
     def spec(self) -> RowSpec:
-        return RowSpec(self.prompt_ids, self.pieces, self.reward)
-
-
-def _raw(ids: np.ndarray) -> bytes:
-    """A step's int64 ids as bytes, for a memcmp prefix test: the buffer they were packed into, or a copy."""
-    base = ids.base
-    return base if type(base) is bytes and len(base) == ids.nbytes else ids.tobytes()
+        return RowSpec(self.prompt_ids, self.pieces, self.reward, np.frombuffer(self.tail, dtype=np.int64))
 
 
 def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
@@ -233,20 +235,25 @@ def _trajectory_rows(
     if advantage is not _NO_ADVANTAGE:
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
-    for lineage in _lineages(label, steps):
+    lineages = _lineages(label, steps)
+    packed = packed_steps(label, steps, config, scalar, needs_advantages)
+    for lineage in lineages:
         row: _Row | None = None
         for index, step in lineage:
-            fields = step_fields(label, index, step, config, scalar, needs_advantages)
-            if row is None or not row.extended_by(fields.prompt_ids):
-                if not len(fields.prompt_ids):
-                    raise MalformedTrajectoryError(
-                        label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
-                    )
-                row = _Row(label, group_id, fields.prompt_ids, first_step=index)
+            if packed is not None:
+                turn = _Turn(index, packed.fields[index], packed.raw, packed.starts[index])
+            else:  # checked step by step, so that the first problem met is the one named
+                fields = step_fields(label, index, step, config, scalar, needs_advantages)
+                turn = _Turn(index, fields, fields.prompt_ids.tobytes() + fields.response_ids.tobytes(), 0)
+            if row is not None and row.extended_by(turn):
+                row.append(turn)
+            elif not len(turn.fields.prompt_ids):
+                raise MalformedTrajectoryError(
+                    label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
+                )
+            else:
+                row = _Row(label, group_id, turn)
                 rows.append(row)
-            row.append(
-                index, fields.prompt_ids, Piece(fields.response_ids, True, fields.logprobs, fields.advantages)
-            )
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 raise MalformedTrajectoryError(
                     label,

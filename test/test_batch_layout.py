@@ -16,7 +16,8 @@ reals = st.floats(-1e6, 1e6, allow_subnormal=True, width=64)
 
 @st.composite
 def row(draw):
-    """A prompt, then pieces alternating freely between context (observations) and sampled tokens."""
+    """A prompt, then pieces alternating freely between context (observations) and sampled tokens;
+    the row's tokens end to end given or left to ``build_rows`` to gather."""
     pieces = []
     for trained in draw(st.lists(st.booleans(), min_size=1, max_size=5)) + [True]:
         tokens = draw(ids)
@@ -29,7 +30,9 @@ def row(draw):
         pieces.append(
             Piece(np.array(tokens, dtype=np.int64), True, logprobs, advantages if per_token else draw(reals))
         )
-    return RowSpec(np.array(draw(ids), dtype=np.int64), pieces, draw(reals))
+    prompt_ids = np.array(draw(ids), dtype=np.int64)
+    tokens = np.concatenate([prompt_ids, *(piece.ids for piece in pieces)]) if draw(st.booleans()) else None
+    return RowSpec(prompt_ids, pieces, draw(reals), tokens)
 
 
 def flat(row_spec: RowSpec, field: str) -> list:

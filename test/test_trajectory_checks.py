@@ -72,8 +72,24 @@ def set_field(trajectory: Trajectory, path: str, value: Any) -> Trajectory:
     return trajectory
 
 
+class Index:
+    """An integer by ``__index__`` only, as numpy's integer scalars are."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+class IdList(list):
+    """A list subclass: its items are read as its own iteration gives them."""
+
+
 ACCEPTED = [
     ("0.prompt_ids", (5, 6, 1)),
+    ("0.prompt_ids", IdList([5, 6, 1])),
+    ("0.response_ids", [Index(7), np.uint64(8)]),
     ("0.prompt_ids", np.array([5, 6, 1], dtype=np.int32)),
     ("0.prompt_ids", np.array([5, 6, 1], dtype=np.uint16)),
     ("1.prompt_ids", [np.int64(t) for t in [5, 6, 1, 7, 8, 9]]),
@@ -144,6 +160,10 @@ REJECTED = [
     ),
     ("0.response_ids[0]", 50, "response_ids", 0, "token id 50 at position 0 is outside"),
     ("0.response_ids[0]", 2**70, "response_ids", 0, "element 0 is 1180591620717411303424"),
+    ("0.response_ids[0]", 2**63, "response_ids", 0, "element 0 is 9223372036854775808"),
+    ("0.response_ids[0]", np.uint64(2**63), "response_ids", 0, "element 0 is np.uint64(9223372036"),
+    ("0.response_ids[0]", Index(-1), "response_ids", 0, "token id -1 at position 0 is outside"),
+    ("1.prompt_ids[4]", Index(2**64), "prompt_ids", 1, "element 4 is <"),
     ("0.response_ids", None, "response_ids", 0, "is None, not a list of integers"),
     ("0.response_ids", "78", "response_ids", 0, "is '78', not a list of integers"),
     ("0.response_ids", {7, 8}, "response_ids", 0, "not a list of integers"),
