@@ -53,7 +53,7 @@ def cpu_server(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """One local Ray (with the CPU patches as worker hook) for the whole run: starting it costs ~20 s."""
+    """One local Ray (with the CPU patches as worker hook) for the whole run."""
     import ray
 
     from rllm_skyrl.run_config import make_skyrl_config

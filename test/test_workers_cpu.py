@@ -96,11 +96,19 @@ def test_a_loss_registered_in_the_driver_reaches_the_workers_through_torch_free_
     torch; through them a policy loss registered in the driver after start-up is the one a worker
     computes (twice the cross-entropy here)."""
     import ray
-    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, cross_entropy_loss
+    from skyrl.backends.skyrl_train.utils.ppo_utils import (
+        AdvantageEstimatorRegistry,
+        PolicyLossRegistry,
+        RegistryActor,
+        cross_entropy_loss,
+    )
 
     from rllm_skyrl import compat
-    from rllm_skyrl.registry_actors import REGISTRY_ACTOR_NAMES
+    from rllm_skyrl.registry_actors import REGISTRY_ACTOR_NAMES, FunctionStore
 
+    assert REGISTRY_ACTOR_NAMES == (PolicyLossRegistry._actor_name, AdvantageEstimatorRegistry._actor_name)
+    public = {name for name in vars(RegistryActor.__ray_actor_class__) if not name.startswith("_")}
+    assert public == {name for name in vars(FunctionStore.__ray_actor_class__) if not name.startswith("_")}
     for name in REGISTRY_ACTOR_NAMES:
         assert ray.get_actor(name)._ray_actor_creation_function_descriptor.class_name == "FunctionStore"
 
