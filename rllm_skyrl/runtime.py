@@ -32,9 +32,15 @@ logger = logging.getLogger(__name__)
 
 
 def runtime_env_for(
-    platform: Platform, skyrl_cfg: Any, log_dir: str | Path | None = None, local: bool = True
+    platform: Platform,
+    skyrl_cfg: Any,
+    log_dir: str | Path | None = None,
+    local: bool = True,
+    cpu_threads: int | None = None,
 ):
     """SkyRL's own worker environment variables, plus whatever the platform needs in every worker.
+
+    ``cpu_threads``: torch threads of each worker on CPU (Ray gives an actor one per CPU it asks for).
 
     SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
     writes runtime envs into its own logs. A local Ray's workers inherit this process's
@@ -50,6 +56,8 @@ def runtime_env_for(
         log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
         os.environ["SKYRL_LOG_FILE"] = log_file
         env_vars["SKYRL_LOG_FILE"] = log_file
+    if cpu_threads and not platform.cuda:
+        env_vars["OMP_NUM_THREADS"] = str(cpu_threads)
     platform_env = platform.ray_runtime_env()
     return {**platform_env, "env_vars": {**env_vars, **platform_env.get("env_vars", {})}}
 
@@ -59,6 +67,7 @@ def start_ray(
     log_dir: str | Path | None = None,
     num_cpus: int | None = None,
     platform: Platform | None = None,
+    cpu_threads: int | None = None,
 ) -> bool:
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
@@ -76,7 +85,7 @@ def start_ray(
 
     platform = platform or Platform.detect()
     joining = bool(os.environ.get("RAY_ADDRESS"))
-    runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining)
+    runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining, cpu_threads=cpu_threads)
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     if joining:
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
@@ -179,7 +188,9 @@ class Runtime:
             with phase("imports"):
                 run.platform.prepare_process()
             with phase("ray"):
-                runtime.owns_ray = start_ray(run.skyrl, log_dir=run.log_dir, platform=run.platform)
+                runtime.owns_ray = start_ray(
+                    run.skyrl, log_dir=run.log_dir, platform=run.platform, cpu_threads=run.cpu_threads
+                )
             if colocated:
                 with phase("placement_group"):
                     runtime.placement_group = colocated_placement_group(run.skyrl)

@@ -203,6 +203,7 @@ def start_cpu_servers(
     max_model_len: int | None = None,
     max_batch_size: int = 256,
     seed: int = 0,
+    threads: int = 1,
     timeout: float = 120.0,
 ) -> ServerGroup:
     """Start ``num_servers`` transformers servers on free loopback ports and wait until they serve."""
@@ -214,6 +215,7 @@ def start_cpu_servers(
         max_model_len=max_model_len,
         max_batch_size=max_batch_size,
         seed=seed,
+        threads=threads,
     )
     group.wait_ready(timeout)
     return group
@@ -228,6 +230,7 @@ def launch_cpu_servers(
     max_model_len: int | None = None,
     max_batch_size: int = 256,
     seed: int = 0,
+    threads: int = 1,
 ) -> ServerGroup:
     """Start the server processes and return at once; ``wait_ready`` waits until they serve.
 
@@ -262,6 +265,8 @@ def launch_cpu_servers(
                 str(max_batch_size),
                 "--seed",
                 str(seed + index),
+                "--threads",
+                str(threads),
                 "--parent-pid",
                 str(os.getpid()),
             ]
@@ -339,4 +344,5 @@ def start_servers(run: RunConfig, tokenizer, placement_group=None) -> ServerGrou
         max_model_len=run.inference.max_model_len,
         max_batch_size=run.inference.max_batch_size,
         seed=run.seed,
+        threads=run.inference.threads,
     )

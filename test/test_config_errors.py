@@ -41,6 +41,8 @@ BAD = [
     ("inference.num_engines=0", "inference.num_engines=0"),
     ("inference.max_model_len=-5", "inference.max_model_len=-5"),
     ("inference.max_batch_size=0", "inference.max_batch_size=0"),
+    ("inference.threads=0", "inference.threads=0"),
+    ("training.cpu_threads=-1", "training.cpu_threads=-1"),
     ("inference.deterministic_sampling=2", "inference.deterministic_sampling=2"),
     ("inference.urls=[ftp://x]", "inference.urls=['ftp://x']: expected a non-empty list of http(s) URLs"),
     ("rllm.data.train_batch_size=0", "rllm.data.train_batch_size=0"),

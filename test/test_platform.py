@@ -33,7 +33,11 @@ def test_server_kind_prefers_given_urls_then_cuda_then_cpu():
         (True, [f"inference.urls=[{','.join(URLS)}]"], ("external", URLS)),
         (False, [f"inference.urls=[{','.join(URLS)}]"], ("external", URLS)),
         (True, [], ("skyrl_vllm", "org/model")),
-        (False, ["inference.num_engines=2", "inference.max_batch_size=7"], ("cpu", "org/model", 2, 7)),
+        (
+            False,
+            ["inference.num_engines=2", "inference.max_batch_size=7", "inference.threads=3"],
+            ("cpu", "org/model", 2, 7, 3),
+        ),
     ],
     ids=["urls-on-cuda", "urls-on-cpu", "cuda", "cpu"],
 )
@@ -48,12 +52,37 @@ def test_start_servers_starts_what_the_platform_picks(monkeypatch, cuda, overrid
     monkeypatch.setattr(
         servers,
         "launch_cpu_servers",
-        lambda model, count, **kw: started.append(("cpu", model, count, kw["max_batch_size"])),
+        lambda model, count, **kw: started.append(("cpu", model, count, kw["max_batch_size"], kw["threads"])),
     )
     cfg = compose_unified("model.path=org/model", *overrides)
     run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
     servers.start_servers(run, tokenizer=None)
     assert started == [expected]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "server_threads", "worker_threads"),
+    [
+        ([], 8, 8),  # rollouts and training take turns on every core
+        (["inference.num_engines=2"], 4, 8),
+        (["rllm.async_training.enable=true", "rllm.async_training.mini_batch_size=1"], 4, 4),
+        (["inference.threads=3", "training.cpu_threads=5"], 3, 5),
+    ],
+    ids=["on-policy", "split", "fully-async", "given"],
+)
+def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, worker_threads):
+    """Ray starts each worker with one torch thread; a CPU run gives its servers and its training
+    workers the cores instead, and a worker gets them through the runtime env."""
+    from rllm_skyrl.runtime import runtime_env_for
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = compose_unified("model.path=org/model", *overrides)
+    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=False), resolve_models=False)
+    assert (run.inference.threads, run.cpu_threads) == (server_threads, worker_threads)
+    env = runtime_env_for(Platform(cuda=False), run.skyrl, cpu_threads=run.cpu_threads)["env_vars"]
+    assert env["OMP_NUM_THREADS"] == str(worker_threads)
+    gpu_env = runtime_env_for(Platform(cuda=True), run.skyrl, cpu_threads=run.cpu_threads)["env_vars"]
+    assert "OMP_NUM_THREADS" not in gpu_env  # on GPUs Ray's default stands
 
 
 def test_given_urls_are_checked_before_use(cpu_server):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -107,6 +108,7 @@ class InferenceSettings:
     max_model_len: int | None = None
     max_batch_size: int = 256
     deterministic_sampling: bool = False
+    threads: int = 1  # torch threads of each CPU server
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     async_training: bool = False
     async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
+    cpu_threads: int = 1  # torch threads of each training worker on CPU
     warmup_steps_ratio: float = 0.0
     optimizer_steps: int | None = None  # known once the trainer says how many steps it runs
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -388,11 +391,17 @@ def resolve_run_config(
             )
         async_chunks = mini_batch // chunk
     urls = tuple(select(cfg, "inference.urls") or ())
+    roles = roles_for(skyrl_cfg)
+    # On-policy, rollouts and training take turns on the machine's cores; fully-async they overlap.
+    cores = max(1, (os.cpu_count() or 1) // (2 if async_training else 1))
+    placement = skyrl_cfg.trainer.placement
+    local_ranks = sum(getattr(placement, f"{role}_num_gpus_per_node") for role in roles)
+    num_engines = int(select(cfg, "inference.num_engines", 1))
     return RunConfig(
         platform=platform,
         skyrl=skyrl_cfg,
         model_path=model_path,
-        roles=roles_for(skyrl_cfg),
+        roles=roles,
         estimator=estimator,
         estimator_map=estimator_map,
         norm_adv_by_std=bool(select(cfg, "rllm.algorithm.norm_adv_by_std_in_grpo", True)),
@@ -412,10 +421,11 @@ def resolve_run_config(
         val_sampling=_sampling(select(cfg, "rllm.rollout.val")),
         inference=InferenceSettings(
             urls=urls,
-            num_engines=int(select(cfg, "inference.num_engines", 1)),
+            num_engines=num_engines,
             max_model_len=select(cfg, "inference.max_model_len"),
             max_batch_size=int(select(cfg, "inference.max_batch_size", 256)),
             deterministic_sampling=bool(select(cfg, "inference.deterministic_sampling", False)),
+            threads=int(select(cfg, "inference.threads") or max(1, cores // num_engines)),
         ),
         checkpoint=CheckpointSettings(
             root=Path(skyrl_cfg.trainer.ckpt_path),
@@ -432,6 +442,7 @@ def resolve_run_config(
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
+        cpu_threads=int(select(cfg, "training.cpu_threads") or max(1, cores // max(1, local_ranks))),
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
         extra={
             "loss_fn": named_loss,

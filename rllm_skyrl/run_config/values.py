@@ -101,6 +101,8 @@ RULES: tuple[Rule, ...] = (
     Rule("inference.max_model_len", at_least(1), "an integer >= 1", nullable=True),
     Rule("inference.max_batch_size", at_least(1), "an integer >= 1"),
     Rule("inference.deterministic_sampling", boolean, "true or false"),
+    Rule("inference.threads", at_least(1), "an integer >= 1", nullable=True),
+    Rule("training.cpu_threads", at_least(1), "an integer >= 1", nullable=True),
     Rule(
         "inference.urls",
         lambda v: (
