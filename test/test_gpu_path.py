@@ -278,6 +278,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     pg = SimpleNamespace(pg="raw-pg")
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
     monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
+    monkeypatch.setattr(Platform, "prepare_process", lambda self: events.append("patches"))
 
     class Servers:
         def wait_ready(self):
@@ -310,10 +311,11 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
         roles=("policy",),
         optimizer_steps=1,
         checkpoint=SimpleNamespace(root="ckpt"),
+        cpu_threads=1,
     )
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     if colocated:
-        assert events == ["pg", ("servers", pg), ("workers", pg), "servers ready"]
+        assert events == ["patches", "pg", ("servers", pg), ("workers", pg), "servers ready"]
         assert runtime.placement_group is pg
     else:
-        assert events == [("workers", None), ("servers", None), "servers ready"]
+        assert events == ["patches", ("workers", None), ("servers", None), "servers ready"]
