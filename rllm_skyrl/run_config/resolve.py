@@ -162,7 +162,7 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     async_training: bool = False
     async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
-    cpu_threads: int = 1  # torch threads of each training worker on CPU
+    cpu_threads: int = 1  # torch threads of each training worker on CPU (more: faster, not bit-exact)
     warmup_steps_ratio: float = 0.0
     optimizer_steps: int | None = None  # known once the trainer says how many steps it runs
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -392,10 +392,8 @@ def resolve_run_config(
         async_chunks = mini_batch // chunk
     urls = tuple(select(cfg, "inference.urls") or ())
     roles = roles_for(skyrl_cfg)
-    # On-policy, rollouts and training take turns on the machine's cores; fully-async they overlap.
+    # On-policy, rollouts and the trainer take turns on the machine's cores; fully-async they overlap.
     cores = max(1, (os.cpu_count() or 1) // (2 if async_training else 1))
-    placement = skyrl_cfg.trainer.placement
-    local_ranks = sum(getattr(placement, f"{role}_num_gpus_per_node") for role in roles)
     num_engines = int(select(cfg, "inference.num_engines", 1))
     return RunConfig(
         platform=platform,
@@ -442,7 +440,7 @@ def resolve_run_config(
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
-        cpu_threads=int(select(cfg, "training.cpu_threads") or max(1, cores // max(1, local_ranks))),
+        cpu_threads=int(select(cfg, "training.cpu_threads") or 1),
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
         extra={
             "loss_fn": named_loss,
