@@ -246,6 +246,31 @@ def test_logprobs_match_hf_forward(server, tiny_tokenizer, prompts, hf_model):
         assert max_abs_diff(hf_logprobs(hf_model, prompt, ids, temperature), lps) <= LOGPROB_TOLERANCE
 
 
+def test_samples_of_one_prompt_share_its_prefill(server, tiny_tokenizer, prompts, hf_model):
+    """Six samples each of two prompts, queued together: one prefill runs the two prompts once, and
+    every sample decodes on its copy of its prompt's KV cache as if it had been prefilled alone."""
+    temperature = 0.7
+    sampling = dict(max_tokens=8, min_tokens=8, temperature=temperature, logprobs=0)
+    batch = [prompts[0]] * 6 + [prompts[2]] * 6
+
+    async def run(client):
+        before = (await stats(server))["counters"]
+        await client.pause(mode="keep")  # the client sends one request per row: let them all queue
+        out = asyncio.create_task(generate(client, batch, **sampling))
+        await wait_for(server, lambda s: s["waiting"] == len(batch), "every row to queue behind the pause")
+        await client.resume()
+        out = await out
+        after = (await stats(server))["counters"]
+        return out, {key: after[key] - before[key] for key in ("prefills", "prefill_tokens")}
+
+    out, ran = with_client(server, tiny_tokenizer, run)
+    width = max(len(prompts[0]), len(prompts[2]))
+    assert ran == {"prefills": 1, "prefill_tokens": 2 * width}, ran
+    assert len({tuple(ids) for ids in out["response_ids"]}) > 2, "the samples of a prompt are all alike"
+    for prompt, ids, lps in zip(batch, out["response_ids"], out["response_logprobs"], strict=True):
+        assert max_abs_diff(hf_logprobs(hf_model, prompt, ids, temperature), lps) <= LOGPROB_TOLERANCE
+
+
 def test_256_concurrent_requests_all_complete(server, tiny_tokenizer, prompts):
     many = [prompts[i % len(prompts)] + [5] * (i % 7) for i in range(256)]
 

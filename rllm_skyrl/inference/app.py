@@ -277,7 +277,7 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        return json_response({"status": "ok"})  # no prefix cache: every request prefills in full
+        return json_response({"status": "ok"})  # no prefix cache: only the samples of one admission share a prefill
 
     async def _load_lora(request: Request) -> Response:
         body = await read_json(request)

@@ -1,15 +1,17 @@
 """The generation loop: continuous batching of many requests over one HF causal LM.
 
 A single thread owns the model. Each turn of its loop it runs the queued control calls
-(weight loads, pause, ...), admits waiting requests (one left-padded prefill, whose KV cache is
-then left-padded again and concatenated onto the running batch's), runs one batched decode step,
-and retires the rows that finished. Requests therefore join and leave the batch at token
+(weight loads, pause, ...), admits waiting requests (one left-padded prefill of their distinct
+prompts, whose KV cache is copied to every row sampling from the same prompt, left-padded again and
+concatenated onto the running batch's), runs one batched decode step, and retires the rows that
+finished. Requests therefore join and leave the batch at token
 granularity, instead of waiting for the slowest member of a static batch.
 
 The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
 and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
 next decode step. ``counters`` count what the loop did (prefills, KV-cache merges, decode steps,
-tokens, cancellations), so callers and tests can see it without timing anything.
+tokens, prompt tokens prefilled, cancellations), so callers and tests can see it without timing
+anything.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class _Request:
     def __init__(self, seq, prompt_ids, params, adapter, max_new, stop_ids, on_done):
         self.seq: int = seq
         self.prompt_ids: list[int] = prompt_ids
+        self.prompt_key: tuple[int, ...] = tuple(prompt_ids)  # rows with equal keys share a prefill
         self.params: SamplingParams = params
         self.adapter: str | None = adapter
         self.max_new: int = max_new
@@ -139,7 +142,10 @@ class Scheduler:
         # What the loop did; peak_running is a high-water mark. Every key exists from the start, so
         # reading the counters from another thread never sees the dict change size.
         self.counters: Counter[str] = Counter(
-            dict.fromkeys(("prefills", "merges", "decode_steps", "tokens", "cancelled", "peak_running"), 0)
+            dict.fromkeys(
+                ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running"),
+                0,
+            )
         )
         # Generation-thread state.
         self._batch: _Batch | None = None
@@ -335,12 +341,14 @@ class Scheduler:
 
     def _take_admissible(self) -> list[_Request]:
         """Pop the waiting requests that may join now: FIFO, same adapter as the running batch,
-        within the batch size and the prefill token budget."""
+        within the batch size and the prefill token budget (of distinct prompts: the samples of one
+        prompt share its prefill)."""
         running = self._batch.rows if self._batch is not None else []
         if running and not self.can_merge:
             return []
         adapter = running[0].adapter if running else None
         taken: list[_Request] = []
+        prompts: set[tuple[int, ...]] = set()
         longest = 0
         with self._cv:
             while self._waiting and len(running) + len(taken) < self.max_batch_size:
@@ -351,9 +359,12 @@ class Scheduler:
                     adapter = request.adapter
                 if request.adapter != adapter:
                     break
-                longest = max(longest, len(request.prompt_ids))
-                if taken and longest * (len(taken) + 1) > self.max_prefill_tokens:
-                    break
+                if request.prompt_key not in prompts:
+                    width = max(longest, len(request.prompt_ids))
+                    if taken and width * (len(prompts) + 1) > self.max_prefill_tokens:
+                        break
+                    prompts.add(request.prompt_key)
+                    longest = width
                 taken.append(self._waiting.popleft())
         if taken and adapter not in (None, *self.lora.names):
             err = ApiError(404, f"LoRA adapter {adapter!r} was unloaded before the request ran")
@@ -363,14 +374,17 @@ class Scheduler:
         return taken
 
     def _prefill(self, rows: list[_Request]) -> None:
-        """Run the prompts of ``rows`` as one left-padded batch, sample their first token, and
-        merge the survivors' KV cache into the running batch."""
-        width = max(len(r.prompt_ids) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids) :] = 1
+        """Run the distinct prompts of ``rows`` as one left-padded batch, copy each prompt's KV cache
+        and last logits to the rows sampling from it, sample their first token, and merge the
+        survivors into the running batch."""
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(r.prompt_key, len(distinct)) for r in rows]
+        width = max(len(prompt) for prompt in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, prompt in enumerate(distinct):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self.model(
@@ -381,9 +395,15 @@ class Scheduler:
             use_cache=True,
             logits_to_keep=1,
         )
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(rows):
+            index = torch.tensor(source)
+            cache = DynamicCache([(k[index], v[index]) for k, v, *_ in cache])
+            mask, positions, logits = mask[index], positions[index], logits[index]
+        self.counters["prefill_tokens"] += int(ids.numel())
         self.counters["prefills"] += 1
         sampler = self._sampler(rows)
-        result = sampler.sample(out.logits[:, -1, :].float())
+        result = sampler.sample(logits.float())
         new = _Batch(rows, cache, mask, positions[:, -1] + 1, torch.tensor(result.tokens), sampler)
         keep = self._record(rows, result)
         if len(keep) < len(rows):
