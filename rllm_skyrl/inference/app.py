@@ -277,7 +277,8 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
-        return json_response({"status": "ok"})  # no prefix cache: only the samples of one admission share a prefill
+        # No prefix cache: only the samples of one admission share a prefill.
+        return json_response({"status": "ok"})
 
     async def _load_lora(request: Request) -> Response:
         body = await read_json(request)

@@ -36,6 +36,7 @@ from rllm_skyrl.inference.weights import LoraAdapters, WeightsRoot
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("keep", "wait", "abort")
+COUNTERS = ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running")
 
 
 @dataclass
@@ -141,12 +142,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         # What the loop did; peak_running is a high-water mark. Every key exists from the start, so
         # reading the counters from another thread never sees the dict change size.
-        self.counters: Counter[str] = Counter(
-            dict.fromkeys(
-                ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running"),
-                0,
-            )
-        )
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         # Generation-thread state.
         self._batch: _Batch | None = None
         self._pause: str | None = None
