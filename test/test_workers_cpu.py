@@ -136,3 +136,40 @@ def test_a_loss_registered_in_the_driver_reaches_the_workers_through_torch_free_
     finally:
         PolicyLossRegistry.unregister("doubled_cross_entropy")
     assert doubled["final_loss" if "final_loss" in doubled else "loss"] == pytest.approx(2 * plain, rel=1e-5)
+
+
+def test_a_worker_created_after_a_prewarm_runs_in_a_process_started_before_it(
+    tiny_model_dir, tiny_tokenizer, tmp_path
+):
+    """``prewarm_worker_processes`` makes Ray start the actors' processes (and run their set-up
+    hook) ahead of time; the worker group created afterwards takes one of them."""
+    import os
+
+    import psutil
+    import ray
+
+    from rllm_skyrl.prewarm import prewarm_worker_processes
+    from rllm_skyrl.workers import actor_resources
+
+    cfg = skyrl_config(tiny_model_dir, tmp_path)
+    shapes = actor_resources(cfg, ("policy",))
+    assert shapes == [(1, 1)]
+    warm = ray.get(prewarm_worker_processes(shapes))
+    assert warm[0] != os.getpid()
+
+    def idle_worker_processes() -> set[int]:
+        idle = set()
+        for process in psutil.process_iter(["cmdline"]):
+            if (process.info["cmdline"] or [""])[0].startswith("ray::IDLE"):
+                idle.add(process.pid)
+        return idle
+
+    waiting = idle_worker_processes()
+    assert warm[0] in waiting
+    workers = SkyRLWorkers(cfg, tiny_tokenizer)
+    try:
+        actor = workers._groups["policy"]._actor_handlers[0]
+        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    finally:
+        workers.shutdown()
+    assert pid in waiting, "the worker's process was started for it, not ahead of time"
