@@ -327,18 +327,15 @@ def test_auto_resume_after_the_kill_matches_the_uninterrupted_run(digits_runs):
     assert [r["progress/batch"] for r in resumed.metrics() if "progress/batch" in r] == [1, 2, 3, 4]
     assert not list((resumed.run_dir / "checkpoints").glob(".tmp_*"))  # the orphan was cleaned up
 
-    # Same weights and optimizer state after step 4, up to float rounding.
+    # Bit-identical weights and optimizer state after step 4: the training worker is deterministic,
+    # and the test app's server decodes each row alone, so both runs sampled identical log-probs.
     a = policy_checkpoint_tensors(straight.run_dir / "checkpoints" / "global_step_4")
     b = policy_checkpoint_tensors(resumed.run_dir / "checkpoints" / "global_step_4")
     assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst < 1e-6, f"resumed weights differ from the straight run's by {worst}"
-    initial_gap = max(
-        (a[k] - v).abs().max().item()
-        for k, v in policy_checkpoint_tensors(straight.run_dir / "checkpoints" / "global_step_2").items()
-        if k.startswith("model/")
-    )
-    assert initial_gap > 100 * max(worst, 1e-9)  # training moved the weights far more than that
+    differing = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    assert not differing, f"resumed state differs from the straight run's: {differing}"
+    step_2 = policy_checkpoint_tensors(straight.run_dir / "checkpoints" / "global_step_2")
+    assert any(not torch.equal(a[k], v) for k, v in step_2.items() if k.startswith("model/"))  # it trained
 
 
 # ---------------------------------------------------------------------------- slow: failures

@@ -400,14 +400,14 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     a = policy_checkpoint_tensors(checkpoints / "global_step_4")
     b = policy_checkpoint_tensors(resumed.run_dir / "checkpoints" / "global_step_4")
     assert a.keys() == b.keys()
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    differing = {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
     moved = max(
         (a[k] - v).abs().max().item()
         for k, v in policy_checkpoint_tensors(checkpoints / "global_step_2").items()
         if "lora_" in k
     )
-    print(f"\nLoRA resume: max |straight - resumed| {worst:.2e}; adapters moved {moved:.2e} over steps 3-4")
-    assert worst < 1e-6 and moved > 100 * max(worst, 1e-9)
+    assert not differing, f"resumed state differs from the straight run's: {differing}"
+    assert moved > 1e-4, f"the adapters barely trained over steps 3-4 ({moved:.2e})"
 
 
 # ---------------------------------------------------------------------------- under the real rLLM

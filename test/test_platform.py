@@ -63,16 +63,18 @@ def test_start_servers_starts_what_the_platform_picks(monkeypatch, cuda, overrid
 @pytest.mark.parametrize(
     ("overrides", "server_threads", "worker_threads"),
     [
-        ([], 8, 1),  # rollouts take every core; training keeps one thread (bit-exact resume)
-        (["inference.num_engines=2"], 4, 1),
-        (["rllm.async_training.enable=true", "rllm.async_training.mini_batch_size=1"], 4, 1),
+        ([], 8, 8),  # on-policy, rollouts and training take turns: each gets every core
+        (["inference.num_engines=2"], 4, 8),
+        (["rllm.algorithm.adv_estimator=gae"], 8, 4),  # the policy and the critic worker share them
+        (["rllm.async_training.enable=true", "rllm.async_training.mini_batch_size=1"], 4, 4),
         (["inference.threads=3", "training.cpu_threads=5"], 3, 5),
     ],
-    ids=["on-policy", "split", "fully-async", "given"],
+    ids=["on-policy", "split", "ppo", "fully-async", "given"],
 )
 def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, worker_threads):
-    """A CPU run gives its servers the cores (shared between servers, halved when rollouts overlap
-    training); a training worker's threads reach it through the runtime env."""
+    """A CPU run gives its servers and its training workers the cores (shared between servers, and
+    between workers; halved when rollouts overlap training); a training worker's threads reach it
+    through the runtime env."""
     from rllm_skyrl.runtime import runtime_env_for
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)

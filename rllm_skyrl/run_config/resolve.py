@@ -162,7 +162,7 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     async_training: bool = False
     async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
-    cpu_threads: int = 1  # torch threads of each training worker on CPU (more: faster, not bit-exact)
+    cpu_threads: int = 1  # torch threads of each training worker on CPU
     warmup_steps_ratio: float = 0.0
     optimizer_steps: int | None = None  # known once the trainer says how many steps it runs
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -440,7 +440,7 @@ def resolve_run_config(
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
-        cpu_threads=int(select(cfg, "training.cpu_threads") or 1),
+        cpu_threads=int(select(cfg, "training.cpu_threads") or max(1, cores // len(roles))),
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
         extra={
             "loss_fn": named_loss,
