@@ -23,11 +23,10 @@ import ray
 from rllm_skyrl import weight_sync
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.platform import Platform
-from rllm_skyrl.prewarm import prewarm_worker_processes
 from rllm_skyrl.run_config import RunConfig
 from rllm_skyrl.secret_masking import is_secret_key
 from rllm_skyrl.servers import ServerGroup, start_servers
-from rllm_skyrl.workers import SkyRLWorkers, actor_resources
+from rllm_skyrl.workers import SkyRLWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -173,31 +172,25 @@ class Runtime:
         """Ray, the workers of ``run.roles`` and (``serve``) the inference servers.
 
         This package's CPU servers are separate processes that need no Ray: they are launched first
-        and load their model while Ray and the workers come up. The training workers' processes are
-        started with Ray (``prewarm``), so their imports run while this process loads the tokenizer.
-        SkyRL's vLLM servers are Ray actors and start after Ray; with ``colocate_all`` (CUDA) in
-        SkyRL's order: the shared placement group, the servers (they size their memory on GPUs the
-        trainer does not use yet), then the workers. A failure part-way stops whatever had started
-        before re-raising.
+        and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
+        and start after Ray; with ``colocate_all`` (CUDA) in SkyRL's order: the shared placement
+        group, the servers (they size their memory on GPUs the trainer does not use yet), then the
+        workers. A failure part-way stops whatever had started before re-raising.
         """
         started = time.perf_counter()
-        runtime = cls(run, tokenizer)
+        runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
         phase = runtime._phase
         try:
             colocated = run.skyrl.trainer.placement.colocate_all
             if serve and not colocated and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
                 with phase("servers_launch"):
-                    runtime.servers = start_servers(run, None)  # CPU servers load their own
+                    runtime.servers = start_servers(run, runtime.tokenizer)
             with phase("imports"):
                 run.platform.prepare_process()
             with phase("ray"):
                 runtime.owns_ray = start_ray(
                     run.skyrl, log_dir=run.log_dir, platform=run.platform, cpu_threads=run.cpu_threads
                 )
-                prewarm_worker_processes(actor_resources(run.skyrl, run.roles))
-            with phase("tokenizer"):
-                if runtime.tokenizer is None:
-                    runtime.tokenizer = load_tokenizer(run.model_path)
             if colocated:
                 with phase("placement_group"):
                     runtime.placement_group = colocated_placement_group(run.skyrl)

@@ -25,19 +25,6 @@ ROLES = ("policy", "critic", "ref")
 COLOCATED_GPU_SHARE = 0.2
 
 
-def actor_resources(cfg, roles: tuple[str, ...]) -> list[tuple[float, float]]:
-    """``(num_cpus, num_gpus)`` of each actor ``SkyRLWorkers`` starts outside a shared placement
-    group (one per GPU of each role, as SkyRL's actor groups ask Ray for them)."""
-    placement = cfg.trainer.placement
-    if placement.colocate_all:
-        return []
-    count = sum(
-        getattr(placement, f"{role}_num_nodes") * getattr(placement, f"{role}_num_gpus_per_node")
-        for role in roles
-    )
-    return [(1, 1)] * count
-
-
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 

@@ -279,8 +279,6 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
     monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
     monkeypatch.setattr(Platform, "prepare_process", lambda self: events.append("patches"))
-    prewarm = lambda shapes: events.append(("prewarm", shapes))  # noqa: E731
-    monkeypatch.setattr(runtime_module, "prewarm_worker_processes", prewarm)
 
     class Servers:
         def wait_ready(self):
@@ -304,7 +302,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
 
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
     monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    placement = SimpleNamespace(colocate_all=colocated, policy_num_nodes=1, policy_num_gpus_per_node=2)
+    placement = SimpleNamespace(colocate_all=colocated)
     run = SimpleNamespace(
         platform=Platform(cuda=True),
         skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
@@ -317,8 +315,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     )
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     if colocated:
-        assert events == ["patches", ("prewarm", []), "pg", ("servers", pg), ("workers", pg), "servers ready"]
+        assert events == ["patches", "pg", ("servers", pg), ("workers", pg), "servers ready"]
         assert runtime.placement_group is pg
     else:
-        warmed = ("prewarm", [(1, 1), (1, 1)])  # a process per policy GPU, before the workers start
-        assert events == ["patches", warmed, ("workers", None), ("servers", None), "servers ready"]
+        assert events == ["patches", ("workers", None), ("servers", None), "servers ready"]
