@@ -99,6 +99,12 @@ def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
     return tuple(roles)
 
 
+def _workers_per_node(skyrl_cfg: Any, roles: tuple[str, ...]) -> int:
+    """Training worker processes on one node: one per GPU slot of each role."""
+    placement = skyrl_cfg.trainer.placement
+    return sum(int(getattr(placement, f"{role}_num_gpus_per_node")) for role in roles)
+
+
 @dataclass(frozen=True)
 class InferenceSettings:
     """Where rollouts are served (``inference.*``)."""
@@ -440,7 +446,9 @@ def resolve_run_config(
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
-        cpu_threads=int(select(cfg, "training.cpu_threads") or max(1, cores // len(roles))),
+        cpu_threads=int(
+            select(cfg, "training.cpu_threads") or max(1, cores // _workers_per_node(skyrl_cfg, roles))
+        ),
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
         extra={
             "loss_fn": named_loss,
