@@ -12,6 +12,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -172,16 +173,20 @@ class Runtime:
         """Ray, the workers of ``run.roles`` and (``serve``) the inference servers.
 
         This package's CPU servers are separate processes that need no Ray: they are launched first
-        and load their model while Ray and the workers come up. SkyRL's vLLM servers are Ray actors
+        and load their model while Ray and the workers come up; the tokenizer loads while the
+        workers' processes import and build the model. SkyRL's vLLM servers are Ray actors
         and start after Ray; with ``colocate_all`` (CUDA) in SkyRL's order: the shared placement
         group, the servers (they size their memory on GPUs the trainer does not use yet), then the
         workers. A failure part-way stops whatever had started before re-raising.
         """
         started = time.perf_counter()
-        runtime = cls(run, tokenizer if tokenizer is not None else load_tokenizer(run.model_path))
+        runtime = cls(run, tokenizer)
         phase = runtime._phase
         try:
             colocated = run.skyrl.trainer.placement.colocate_all
+            if colocated and runtime.tokenizer is None:  # SkyRL's vLLM servers start before the workers
+                with phase("tokenizer"):
+                    runtime.tokenizer = load_tokenizer(run.model_path)
             if serve and not colocated and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
                 with phase("servers_launch"):
                     runtime.servers = start_servers(run, runtime.tokenizer)
@@ -197,7 +202,10 @@ class Runtime:
                 if serve:
                     with phase("servers_launch"):
                         runtime.servers = start_servers(run, runtime.tokenizer, runtime.placement_group)
-            with phase("workers"):
+            with phase("workers"), ThreadPoolExecutor(max_workers=1) as pool:
+                # The tokenizer loads while the workers' processes import and build the model (this
+                # thread waits on Ray meanwhile, without the GIL).
+                loading = pool.submit(load_tokenizer, run.model_path) if runtime.tokenizer is None else None
                 runtime.workers = SkyRLWorkers(
                     run.skyrl,
                     runtime.tokenizer,
@@ -206,6 +214,9 @@ class Runtime:
                     platform=run.platform,
                     placement_group=runtime.placement_group,
                 )
+                if loading is not None:
+                    runtime.tokenizer = loading.result()
+                    runtime.workers.use_tokenizer(runtime.tokenizer)
             runtime.models = ModelRegistry(runtime.workers)
             if serve:
                 with phase("servers_ready"):

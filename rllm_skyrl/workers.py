@@ -62,7 +62,7 @@ class SkyRLWorkers:
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
 
         self.cfg = cfg
-        self.tokenizer = tokenizer
+        self.tokenizer = None
         placement = cfg.trainer.placement
         worker_classes = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
         roles = roles or roles_for(cfg)
@@ -90,6 +90,8 @@ class SkyRLWorkers:
             critic_actor_group=self._groups.get("critic"),
             ref_actor_group=self._groups.get("ref"),
         )
+        if tokenizer is not None:
+            self.use_tokenizer(tokenizer)
 
     def _init_models(self, total_training_steps: int | None) -> None:
         """Load weights and build optimizers; SkyRL's schedulers count optimizer steps, not batches."""
@@ -102,10 +104,21 @@ class SkyRLWorkers:
             else:
                 refs.extend(group.async_init_model(model_cfg.path, num_training_steps=total_training_steps))
         ray.get(refs)
-        pad_id = self.tokenizer.pad_token_id
+
+    def use_tokenizer(self, tokenizer) -> None:
+        """The tokenizer whose pad id the workers pad with, saved beside HF exports and checkpoints.
+
+        Given to the constructor, or here once loaded: ``Runtime.start`` loads it while the
+        workers' processes import and build the model.
+        """
+        self.tokenizer = tokenizer
         for role in ("policy", "critic"):
             if role in self._groups:
-                ray.get(self._groups[role].async_run_ray_method("pass_through", "_set_pad_token_id", pad_id))
+                ray.get(
+                    self._groups[role].async_run_ray_method(
+                        "pass_through", "_set_pad_token_id", tokenizer.pad_token_id
+                    )
+                )
 
     @property
     def roles(self) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ import ast
 import asyncio
 import copy
 import inspect
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -236,8 +237,8 @@ def test_actor_groups_are_built_as_skyrls_trainer_builds_them(monkeypatch, coloc
         "PPORayActorGroup",
         "sync_registries",  # after the actors exist, before they look a loss up
         "async_init_model",
-        "async_run_ray_method",
         "WorkerDispatch",
+        "async_run_ray_method",  # the tokenizer's pad id (use_tokenizer)
     ]
 
 
@@ -270,6 +271,48 @@ def test_colocated_servers_must_be_skyrls_own():
     run = SimpleNamespace(platform=Platform(cuda=True), inference=SimpleNamespace(urls=("http://h:1",)))
     with pytest.raises(ValueError, match="colocate_all=true needs SkyRL's vLLM servers.*drop inference.urls"):
         start_servers(run, tokenizer=None, placement_group=object())
+
+
+def test_the_tokenizer_loads_while_the_workers_start(monkeypatch):
+    """Without a tokenizer given, ``Runtime.start`` loads it beside the workers' bring-up (which
+    waits here until the load has begun, so a load after the workers would never start) and then
+    hands it to them."""
+    loading = threading.Event()
+    events: list = []
+
+    def load_tokenizer(path):
+        events.append(("load", path, threading.current_thread() is threading.main_thread()))
+        loading.set()
+        return SimpleNamespace(pad_token_id=0, path=path)
+
+    class Workers:
+        def __init__(self, cfg, tokenizer, **kwargs):
+            events.append(("workers", tokenizer, loading.wait(timeout=30)))
+
+        def use_tokenizer(self, tokenizer):
+            events.append(("use", tokenizer.path))
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
+    monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
+    monkeypatch.setattr(runtime_module, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
+    monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
+    placement = SimpleNamespace(colocate_all=False)
+    run = SimpleNamespace(
+        platform=Platform(cuda=False),
+        skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
+        model_path="model-dir",
+        log_dir=Path("logs"),
+        roles=("policy",),
+        optimizer_steps=1,
+        cpu_threads=1,
+    )
+    runtime = runtime_module.Runtime.start(run, serve=False)
+    assert events == [("load", "model-dir", False), ("workers", None, True), ("use", "model-dir")]
+    assert runtime.tokenizer.path == "model-dir"
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["separate", "colocated"])
