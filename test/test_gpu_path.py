@@ -273,6 +273,20 @@ def test_colocated_servers_must_be_skyrls_own():
         start_servers(run, tokenizer=None, placement_group=object())
 
 
+def stand_in_run(platform: Platform, colocated: bool, **fields) -> SimpleNamespace:
+    """What ``Runtime.start`` reads of a ``RunConfig``, for one policy worker."""
+    placement = SimpleNamespace(colocate_all=colocated)
+    return SimpleNamespace(
+        platform=platform,
+        skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
+        log_dir=Path("logs"),
+        roles=("policy",),
+        optimizer_steps=1,
+        cpu_threads=1,
+        **fields,
+    )
+
+
 def test_the_tokenizer_loads_while_the_workers_start(monkeypatch):
     """Without a tokenizer given, ``Runtime.start`` loads it beside the workers' bring-up (which
     waits here until the load has begun, so a load after the workers would never start) and then
@@ -300,16 +314,7 @@ def test_the_tokenizer_loads_while_the_workers_start(monkeypatch):
     monkeypatch.setattr(runtime_module, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
     monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    placement = SimpleNamespace(colocate_all=False)
-    run = SimpleNamespace(
-        platform=Platform(cuda=False),
-        skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
-        model_path="model-dir",
-        log_dir=Path("logs"),
-        roles=("policy",),
-        optimizer_steps=1,
-        cpu_threads=1,
-    )
+    run = stand_in_run(Platform(cuda=False), colocated=False, model_path="model-dir")
     runtime = runtime_module.Runtime.start(run, serve=False)
     assert events == [("load", "model-dir", False), ("workers", None, True), ("use", "model-dir")]
     assert runtime.tokenizer.path == "model-dir"
@@ -345,17 +350,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
 
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
     monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    placement = SimpleNamespace(colocate_all=colocated)
-    run = SimpleNamespace(
-        platform=Platform(cuda=True),
-        skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
-        inference=SimpleNamespace(urls=None),
-        log_dir=Path("logs"),
-        roles=("policy",),
-        optimizer_steps=1,
-        checkpoint=SimpleNamespace(root="ckpt"),
-        cpu_threads=1,
-    )
+    run = stand_in_run(Platform(cuda=True), colocated, inference=SimpleNamespace(urls=None))
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     if colocated:
         assert events == ["patches", "pg", ("servers", pg), ("workers", pg), "servers ready"]
