@@ -87,6 +87,19 @@ def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, wor
     assert "OMP_NUM_THREADS" not in gpu_env  # on GPUs Ray's default stands
 
 
+def test_training_threads_are_split_between_every_worker_on_a_node():
+    """Each role's ranks on a node are separate worker processes, each with its own threads."""
+    from types import SimpleNamespace
+
+    from rllm_skyrl.run_config.resolve import _workers_per_node
+
+    gpus = {"policy_num_gpus_per_node": 2, "critic_num_gpus_per_node": 1, "ref_num_gpus_per_node": 1}
+    placement = SimpleNamespace(**gpus)
+    cfg = SimpleNamespace(trainer=SimpleNamespace(placement=placement))
+    assert _workers_per_node(cfg, ("policy",)) == 2
+    assert _workers_per_node(cfg, ("policy", "critic", "ref")) == 4
+
+
 def test_given_urls_are_checked_before_use(cpu_server):
     group = servers.external_servers([cpu_server.url])
     assert group.urls == [cpu_server.url] and not group.owned  # someone else's: never stopped here
