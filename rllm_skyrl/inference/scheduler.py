@@ -4,8 +4,8 @@ A single thread owns the model. Each turn of its loop it runs the queued control
 (weight loads, pause, ...), admits waiting requests (one left-padded prefill of their distinct
 prompts, whose KV cache is copied to every row sampling from the same prompt, left-padded again and
 concatenated onto the running batch's), runs one batched decode step, and retires the rows that
-finished. Requests therefore join and leave the batch at token
-granularity, instead of waiting for the slowest member of a static batch.
+finished. Requests therefore join and leave the batch at token granularity, instead of waiting for
+the slowest member of a static batch.
 
 The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
 and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
