@@ -139,7 +139,7 @@ def _is_bool(value: Any) -> bool:
     )
 
 
-_PLAIN_NUMBERS = (int, float)
+_PLAIN_NUMBERS = frozenset({int, float})
 
 
 def _first_bool(values: Any, positions: np.ndarray) -> int | None:
@@ -148,7 +148,7 @@ def _first_bool(values: Any, positions: np.ndarray) -> int | None:
         return None
     index = positions.tolist()
     items = operator.itemgetter(*index)(values) if len(index) > 1 else (values[index[0]],)
-    if set(map(type, items)) <= {int, float}:
+    if set(map(type, items)) <= _PLAIN_NUMBERS:
         return None
     return next((i for i, item in zip(index, items, strict=True) if _is_bool(item)), None)
 

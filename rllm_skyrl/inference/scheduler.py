@@ -10,8 +10,8 @@ the slowest member of a static batch.
 The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
 and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
 next decode step. ``counters`` count what the loop did (prefills, KV-cache merges, decode steps,
-tokens, prompt tokens prefilled, cancellations), so callers and tests can see it without timing
-anything.
+tokens, prefill positions (distinct prompts x their padded width), cancellations), so callers and
+tests can see it without timing anything.
 """
 
 from __future__ import annotations
