@@ -10,7 +10,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | weight sync (``weight_sync_method``) | SkyRL's own transfer | HF save + reload; LoRA: adapter files |
 | Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
-| SkyRL patches (``compat_patches``) | tied embeddings; flash-attn stub without it | all three sets |
+| SkyRL patches (``compat_patches``) | tied embeddings, response logits; no-flash-attn stub | all four |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -95,7 +95,7 @@ class Platform:
         names = [] if self.flash_attn else ["flash_attn_stub"]
         if not self.cuda:
             names.append("cpu")
-        return (*names, "tied_embeddings")
+        return (*names, "tied_embeddings", "response_logits")
 
     def prepare_process(self) -> None:
         """Make this process able to import and run SkyRL's workers."""

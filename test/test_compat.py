@@ -1,4 +1,4 @@
-"""The SkyRL patches that apply on CUDA too: the flash-attn import stub and re-tied embeddings.
+"""The SkyRL patches that apply on CUDA too: the flash-attn stub, re-tied embeddings, response logits.
 
 Each runs in a fresh interpreter, since a patch, once installed, stays for the process.
 """
@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import flash_attn, tied_embeddings
+from rllm_skyrl.compat import flash_attn, response_logits, tied_embeddings
 from rllm_skyrl.platform import Platform
 
 
@@ -33,7 +33,9 @@ def run_python(program: str, *args: str, env: dict[str, str] | None = None) -> d
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("patch", flash_attn.PATCHES + tied_embeddings.PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "patch", flash_attn.PATCHES + tied_embeddings.PATCHES + response_logits.PATCHES, ids=lambda p: p.name
+)
 def test_pinned_skyrl_still_needs_patch(patch):
     module_name, attribute, marker = patch.needed_by
     flash_attn.apply()  # SkyRL's worker modules import flash-attn at module level
@@ -129,9 +131,9 @@ def test_cuda_without_flash_attn_prepares_sdpa_and_keeps_cuda_untouched():
 @pytest.mark.parametrize(
     ("platform", "patches"),
     [
-        (Platform(cuda=False), ("flash_attn_stub", "cpu", "tied_embeddings")),
-        (Platform(cuda=True, flash_attn=False), ("flash_attn_stub", "tied_embeddings")),
-        (Platform(cuda=True, flash_attn=True), ("tied_embeddings",)),
+        (Platform(cuda=False), ("flash_attn_stub", "cpu", "tied_embeddings", "response_logits")),
+        (Platform(cuda=True, flash_attn=False), ("flash_attn_stub", "tied_embeddings", "response_logits")),
+        (Platform(cuda=True, flash_attn=True), ("tied_embeddings", "response_logits")),
     ],
     ids=["cpu", "cuda-sdpa", "cuda-flash-attn"],
 )
@@ -233,3 +235,75 @@ def test_retie_restores_what_transformers_tied_and_nothing_else(tied_tiny_model_
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
     tied_embeddings.retie(untied)
     assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+# --------------------------------------------------------------------------- response logits
+
+WINDOW_FORWARD = """
+    import json, sys, torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from rllm_skyrl import compat
+    compat.apply(["flash_attn_stub"])
+    from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
+    original = HFModelWrapper.forward
+    compat.apply(["response_logits"])
+
+    torch.manual_seed(0)
+    # 4 rows: prompts left-padded to 9, responses right-padded to 5 (lengths 5, 3, 5, 1)
+    prompt_lens, response_lens, num_actions = [9, 6, 4, 9], [5, 3, 5, 1], 5
+    mask = torch.zeros(4, 14, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, 9 - p : 9 + r] = 1
+    sequences = torch.randint(3, 250, (4, 14)) * mask
+    advantages = torch.randn(4, 1)
+
+    def run(wrapper, forward):
+        positions = []
+        head = wrapper.model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda m, args, out: positions.append(args[0].shape[1]))
+        wrapper.model.zero_grad(set_to_none=True)
+        logprobs, output = forward(wrapper, sequences, num_actions, attention_mask=mask, temperature=0.7,
+                                   return_output=True, compute_entropy=True, entropy_requires_grad=True)
+        hook.remove()
+        entropy = output["entropy"][:, -num_actions - 1 : -1]  # what SkyRL's worker reads
+        loss_mask = mask[:, -num_actions:].float()
+        loss = -(advantages * logprobs * loss_mask).sum() + 0.1 * (entropy * loss_mask).sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in wrapper.model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), entropy.detach(), output["entropy"].shape, grads, positions
+
+    def compare(wrapper):
+        patched, unpatched = run(wrapper, HFModelWrapper.forward), run(wrapper, original)
+        return {
+            "logprobs_equal": torch.equal(patched[0], unpatched[0]),
+            "entropy_gap": (patched[1] - unpatched[1]).abs().max().item(),
+            "entropy_shape": list(patched[2]) == list(unpatched[2]),
+            "grad_names_equal": sorted(patched[3]) == sorted(unpatched[3]),
+            "grad_gap": max((patched[3][n] - unpatched[3][n]).abs().max().item() for n in patched[3]),
+            "head_positions": [patched[4], unpatched[4]],
+        }
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+    full = HFModelWrapper(model, use_flash_attention_2=False, bf16=False)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32),
+                          LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    adapter = HFModelWrapper(lora, use_flash_attention_2=False, bf16=False)
+    fallback = HFModelWrapper(AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32),
+                              use_flash_attention_2=False, bf16=False)
+    fallback._rllm_skyrl_logits_to_keep = False  # a model whose forward cannot skip positions
+    print(json.dumps({"full": compare(full), "lora": compare(adapter), "fallback": compare(fallback)}))
+"""
+
+
+def test_response_logits_match_skyrl_forward_and_skip_the_prompt(tiny_model_dir):
+    """The patched forward equals SkyRL's on what its worker reads, with the LM head on the window only."""
+    outcome = run_python(WINDOW_FORWARD, tiny_model_dir)
+    for case in ("full", "lora", "fallback"):
+        result = outcome[case]
+        assert result["logprobs_equal"], (case, result)
+        assert result["entropy_gap"] < 1e-6 and result["entropy_shape"], (case, result)
+        assert result["grad_names_equal"] and result["grad_gap"] < 1e-6, (case, result)
+    assert outcome["full"]["head_positions"] == [[6], [14]]  # num_actions + 1 positions, not all 14
+    assert outcome["lora"]["head_positions"] == [[6], [14]]
+    assert outcome["fallback"]["head_positions"] == [[14], [14]]

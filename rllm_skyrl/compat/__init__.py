@@ -5,6 +5,7 @@
 | ``flash_attn_stub`` | flash-attn not installed (always on CPU; on CUDA unless added) | ``flash_attn`` |
 | ``cpu`` | no CUDA | ``cpu`` |
 | ``tied_embeddings`` | always | ``tied_embeddings`` |
+| ``response_logits`` | always | ``response_logits`` |
 
 The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
 ``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
@@ -25,6 +26,7 @@ PATCH_SETS = {
     "flash_attn_stub": "rllm_skyrl.compat.flash_attn",
     "cpu": "rllm_skyrl.compat.cpu",
     "tied_embeddings": "rllm_skyrl.compat.tied_embeddings",
+    "response_logits": "rllm_skyrl.compat.response_logits",
 }
 SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
 ENV_VAR = "RLLM_SKYRL_COMPAT"
