@@ -112,3 +112,19 @@ def test_given_urls_are_checked_before_use(cpu_server):
             servers.external_servers([cpu_server.url, dead])
     with pytest.raises(ValueError, match="inference.urls is empty"):
         servers.external_servers([])
+
+
+@pytest.mark.parametrize(
+    ("cuda", "overrides", "expected"),
+    [
+        (False, [], False),  # CPU: the weights stay gathered from the forward to the backward
+        (True, [], True),  # GPU: SkyRL's default, memory for a second copy is scarce
+        (False, ["skyrl.trainer.policy.fsdp_config.reshard_after_forward=true"], True),
+    ],
+    ids=["cpu", "cuda", "given"],
+)
+def test_trained_models_reshard_after_forward_only_where_memory_is_scarce(cuda, overrides, expected):
+    cfg = compose_unified("model.path=org/model", "rllm.algorithm.adv_estimator=gae", *overrides)
+    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
+    assert run.skyrl.trainer.policy.fsdp_config.reshard_after_forward is expected
+    assert run.skyrl.trainer.critic.fsdp_config.reshard_after_forward is cuda

@@ -311,6 +311,10 @@ def resolve_run_config(
             f"servers load adapters only from under the run's sync directory {sync_dir}; drop the key "
             "(the adapter then goes to sync/lora there)"
         )
+    for role in ("policy", "critic"):  # the trained models; null in the yaml: the platform's choice
+        key = f"trainer.{role}.fsdp_config.reshard_after_forward"
+        if overrides.get(key) is None:
+            overrides[key] = platform.reshard_after_forward
     try:
         skyrl_cfg = make_skyrl_config(overrides, platform)
     except (ValueError, KeyError, TypeError) as error:
