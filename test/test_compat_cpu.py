@@ -125,18 +125,21 @@ def test_patches_are_applied_inside_ray_workers():
     @ray.remote(num_gpus=1)
     def probe():
         import torch as t
+        from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
 
         from rllm_skyrl.compat import cpu as worker_cpu
 
         return {
             "hook": os.environ.get(compat.ENV_VAR),
             "applied": worker_cpu.is_applied(),
+            "response_logits": getattr(HFModelWrapper.forward, "_rllm_skyrl_patched", False),
             "device": str(t.cuda.current_device()),
             "flash_attn": "flash_attn" in sys.modules,
             "gpu_ids": ray.get_gpu_ids(),
         }
 
     result = ray.get(probe.remote())
-    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings"
-    assert result["applied"] and result["device"] == "cpu" and result["flash_attn"]
+    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings,response_logits"
+    assert result["applied"] and result["response_logits"]
+    assert result["device"] == "cpu" and result["flash_attn"]
     assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones
