@@ -19,6 +19,7 @@ what is started and stopped is in ``runtime``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import weakref
@@ -250,6 +251,11 @@ class SkyRLBackend:
         self._last_trained_step = self.resumed_step = resumed
         if resumed is not None or self.run.lora.enabled:  # a LoRA policy is served once it is synced
             await self._sync_weights(version=resumed or 0)
+        # What is alive now (torch, transformers, Ray, the run's own state) lives for the whole run.
+        # Frozen, it is no longer walked by every full collection: unfrozen, those took 250 ms each,
+        # every 2 s of the quickstart's training. Collected first, so no garbage is frozen with it.
+        gc.collect()
+        gc.freeze()
 
     async def on_epoch_start(self, trainer_state: Any) -> None:
         pass

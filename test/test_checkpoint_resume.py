@@ -8,6 +8,7 @@ Ray). The integration tests use real training subprocesses (see ``training_runs.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -272,6 +273,20 @@ def test_an_exception_around_fit_is_not_taken_for_a_failed_step(tmp_path):
     except ValueError:
         asyncio.run(fit())
     assert backend.checkpoints.latest_step() == 1
+
+
+def test_what_is_alive_when_training_starts_is_left_out_of_later_collections(tmp_path):
+    """Full collections walk only what the run creates after its start, not all of torch."""
+    backend = _backend(tmp_path, save_freq=1)
+    backend.checkpoints.resume = lambda **_: None
+    state = SimpleNamespace(global_step=1, epoch=0, metrics={}, train_dataloader=None)
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        asyncio.run(backend.on_train_start(state))
+        assert gc.get_freeze_count() > 10_000  # the modules, classes and functions loaded so far
+    finally:
+        gc.unfreeze()
 
 
 # ---------------------------------------------------------------------------- real runs

@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     if stop.is_set():
         return
     server.start()
+    gc.freeze()  # what is loaded lives as long as the server: full collections walk only new objects
     if args.token is None:
         print("warning: no token set; any local process can drive this server", file=sys.stderr, flush=True)
     print(f"rllm_skyrl inference server for {args.model} listening on {server.url}", flush=True)
