@@ -112,13 +112,16 @@ class SkyRLWorkers:
         workers' processes import and build the model.
         """
         self.tokenizer = tokenizer
-        for role in ("policy", "critic"):
-            if role in self._groups:
-                ray.get(
-                    self._groups[role].async_run_ray_method(
-                        "pass_through", "_set_pad_token_id", tokenizer.pad_token_id
-                    )
+        ray.get(
+            [
+                ref
+                for role in ("policy", "critic")
+                if role in self._groups
+                for ref in self._groups[role].async_run_ray_method(
+                    "pass_through", "_set_pad_token_id", tokenizer.pad_token_id
                 )
+            ]
+        )
 
     @property
     def roles(self) -> tuple[str, ...]:
