@@ -9,6 +9,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | servers (``server_kind``) | SkyRL's vLLM servers | this package's transformers servers |
 | weight sync (``weight_sync_method``) | SkyRL's own transfer | HF save + reload; LoRA: adapter files |
 | Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
+| priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
 | SkyRL patches (``compat_patches``) | tied embeddings, response logits; no-flash-attn stub | all four |
@@ -90,6 +91,17 @@ class Platform:
         if self.cuda:
             return {}
         return {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
+
+    def ray_system_config(self) -> dict[str, Any]:
+        """Ray settings for a local start on this platform.
+
+        Ray runs its workers at niceness 15, below the driver and Ray's own daemons. On CPU the
+        training worker is where the compute is, and it shares the cores with the inference
+        server (niceness 0): every wake-up of another process then pre-empts one of the worker's
+        OpenMP threads, and the others wait for it at the next barrier. At the driver's priority
+        the quickstart's forward-backward took 2-4% less time.
+        """
+        return {} if self.cuda else {"worker_niceness": 0}
 
     def skyrl_overrides(self) -> dict[str, Any]:
         """SkyRL config values this platform forces over the user's (they cannot work otherwise)."""

@@ -98,7 +98,7 @@ def start_ray(
             runtime_env=runtime_env,
             log_to_driver=False,
             include_dashboard=False,
-            _system_config={"prestart_worker_first_driver": False},
+            _system_config={"prestart_worker_first_driver": False, **platform.ray_system_config()},
             **platform.ray_resources(num_cpus),
         )
 

@@ -136,6 +136,7 @@ def test_patches_are_applied_inside_ray_workers():
             "device": str(t.cuda.current_device()),
             "flash_attn": "flash_attn" in sys.modules,
             "gpu_ids": ray.get_gpu_ids(),
+            "niceness": os.nice(0),
         }
 
     result = ray.get(probe.remote())
@@ -143,3 +144,4 @@ def test_patches_are_applied_inside_ray_workers():
     assert result["applied"] and result["response_logits"]
     assert result["device"] == "cpu" and result["flash_attn"]
     assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones
+    assert result["niceness"] == os.nice(0)  # the training workers run at the driver's priority

@@ -128,3 +128,9 @@ def test_trained_models_reshard_after_forward_only_where_memory_is_scarce(cuda, 
     run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
     assert run.skyrl.trainer.policy.fsdp_config.reshard_after_forward is expected
     assert run.skyrl.trainer.critic.fsdp_config.reshard_after_forward is cuda
+
+
+def test_ray_workers_share_the_drivers_priority_on_cpu_only():
+    # On CPU the worker computes beside the inference server; on CUDA Ray's own default stays.
+    assert Platform(cuda=False).ray_system_config() == {"worker_niceness": 0}
+    assert Platform(cuda=True).ray_system_config() == {}
