@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -127,12 +128,19 @@ def build_rows(
 
 
 def right_aligned(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """Per-row arrays (each a row's response tokens) -> ``[B, width]`` float32, right-aligned."""
-    out_BT = torch.zeros(len(rows), width, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        if len(row):
-            out_BT[i, width - len(row) :] = torch.as_tensor(row, dtype=torch.float32)
-    return out_BT
+    """Per-row arrays (each a row's response tokens) -> ``[B, width]`` float32, right-aligned.
+
+    One scatter of the concatenated rows, not a tensor per row: a step's worker outputs are
+    hundreds of short rows.
+    """
+    lengths_B = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    if (lengths_B > width).any():
+        i = int(np.argmax(lengths_B > width))
+        raise ValueError(f"row {i} has {lengths_B[i]} values, more than the width {width}")
+    out_BT = np.zeros((len(rows), width), dtype=np.float32)
+    filled_BT = np.arange(width) >= width - lengths_B[:, None]
+    out_BT[filled_BT] = np.fromiter(chain.from_iterable(rows), dtype=np.float32, count=int(lengths_B.sum()))
+    return torch.from_numpy(out_BT)
 
 
 def last_tokens(values: Sequence[float] | torch.Tensor, n: int) -> list[float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,3 +78,12 @@ def test_optional_fields_are_left_out():
     spec = RowSpec(np.array([1, 2]), [Piece(np.array([3]), trained=True)])
     got = build_rows(0, [spec], logprobs=False, advantages=False)
     assert sorted(got) == ["attention_mask", "loss_mask", "response_mask", "rewards", "sequences"]
+
+
+def test_right_aligned_puts_each_row_at_the_end_of_its_line():
+    rows = [[1.0, 2.0], [], [3.0, 4.0, 5.0], np.array([6.5], dtype=np.float32)]
+    got = right_aligned(rows, 3)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [[0.0, 1.0, 2.0], [0.0, 0.0, 0.0], [3.0, 4.0, 5.0], [0.0, 0.0, 6.5]]
+    with pytest.raises(ValueError, match="row 1 has 4 values, more than the width 3"):
+        right_aligned([[1.0], [1.0, 2.0, 3.0, 4.0]], 3)
