@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -420,6 +422,20 @@ def test_control_and_info_endpoints(server, tiny_tokenizer):
     assert reset[server.url]["status"] == 200
     assert models["data"][0]["id"] == server.served_model_name and models["data"][0]["max_model_len"] == 512
     assert gpu_status == 501 and "/rllm_skyrl/v1/load_weights" in gpu_error["error"]["message"]
+
+
+def test_connections_send_without_nagle_delay(server):
+    # A response is two writes (headers, body): with Nagle on, the body waits for the client's
+    # delayed ACK of the headers, 40 ms on Linux. The server's own end of the connection is read.
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read() is not None  # the connection stays open (keep-alive)
+        accepted = [c.transport.get_extra_info("socket") for c in server._uvicorn.server_state.connections]
+        assert accepted
+        assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in accepted)
+    finally:
+        connection.close()
 
 
 def test_full_weight_reload_changes_logprobs(

@@ -84,7 +84,11 @@ class InferenceServer:
     def start(self, timeout: float = 30.0) -> InferenceServer:
         if self._uvicorn is not None:
             return self
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket
+        # says TCP. Without it Nagle holds a response's body until the client acknowledges its
+        # headers, and the client's delayed ACK makes that 40 ms.
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
