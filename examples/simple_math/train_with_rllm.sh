@@ -23,4 +23,6 @@ exec python -m examples.simple_math.train_with_rllm \
     rllm.trainer.experiment_name=tiny_grpo_rllm \
     skyrl.trainer.micro_train_batch_size_per_gpu=512 \
     skyrl.trainer.micro_forward_batch_size_per_gpu=512 \
+    rllm.workflow.n_parallel_tasks=512 \
+    inference.max_batch_size=512 \
     "$@"
