@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -15,6 +16,8 @@ import torch
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 
 from rllm_skyrl.inference import InferenceServer
+from rllm_skyrl.inference.sampling import SamplingParams
+from rllm_skyrl.inference.scheduler import BURST_GAP_S, BURST_MAX_WAIT_S
 
 # Server and HF compute the same fp32 math (log_softmax(logits / T)); only the batch layout
 # (left padding, merged KV caches) differs, which moves a logprob by ~1e-6.
@@ -271,6 +274,41 @@ def test_samples_of_one_prompt_share_its_prefill(server, tiny_tokenizer, prompts
     assert len({tuple(ids) for ids in out["response_ids"]}) > 2, "the samples of a prompt are all alike"
     for prompt, ids, lps in zip(batch, out["response_ids"], out["response_logprobs"], strict=True):
         assert max_abs_diff(hf_logprobs(hf_model, prompt, ids, temperature), lps) <= LOGPROB_TOLERANCE
+
+
+def test_an_idle_server_admits_a_burst_as_one_prefill_but_does_not_wait_out_a_stream(server, prompts):
+    """Requests arriving a fraction of a millisecond apart share one prefill, as if queued together;
+    a steady stream is still admitted while it lasts (after at most the burst's maximum wait)."""
+    scheduler = server.service.scheduler
+    params = SamplingParams.from_dict({"max_tokens": 1})
+    done: list[float] = []
+
+    def submit(prompt):
+        scheduler.submit([(prompt, params, lambda outcome: done.append(time.monotonic()))])
+
+    before = scheduler.counters["prefills"]
+    for prompt in prompts:
+        submit(prompt)
+        time.sleep(BURST_GAP_S / 4)
+    deadline = time.monotonic() + 30
+    while len(done) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(done) == len(prompts)
+    assert scheduler.counters["prefills"] - before == 1
+
+    done.clear()
+    submitted = 0
+    end = time.monotonic() + 5 * BURST_MAX_WAIT_S
+    while time.monotonic() < end:
+        submit(prompts[1])
+        submitted += 1
+        time.sleep(BURST_GAP_S / 4)
+    last_submit = time.monotonic()
+    first_done = done[0] if done else None
+    deadline = time.monotonic() + 30
+    while len(done) < submitted and time.monotonic() < deadline:  # leave the server idle
+        time.sleep(0.001)
+    assert first_done is not None and first_done < last_submit, "the first request waited for the stream"
 
 
 def test_256_concurrent_requests_all_complete(server, tiny_tokenizer, prompts):

@@ -5,7 +5,8 @@ A single thread owns the model. Each turn of its loop it runs the queued control
 prompts, whose KV cache is copied to every row sampling from the same prompt, left-padded again and
 concatenated onto the running batch's), runs one batched decode step, and retires the rows that
 finished. Requests therefore join and leave the batch at token granularity, instead of waiting for
-the slowest member of a static batch.
+the slowest member of a static batch. An idle loop lets a burst of requests finish arriving before
+it admits them (``BURST_GAP_S``), so a step's requests share one prefill.
 
 The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
 and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -36,6 +38,12 @@ from rllm_skyrl.inference.weights import LoraAdapters, WeightsRoot
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("keep", "wait", "abort")
+# An idle server admits a burst of requests as one prefill: while they keep coming, each within
+# BURST_GAP_S of the last, it waits for the next, at most BURST_MAX_WAIT_S after the first. Clients
+# send a step's requests together, but the HTTP thread hands them over one by one; admitted as
+# they come, the first few would be prefilled and decoded on their own, the rest after them.
+BURST_GAP_S = 0.002
+BURST_MAX_WAIT_S = 0.02
 COUNTERS = ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running")
 
 
@@ -139,6 +147,7 @@ class Scheduler:
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._stopping = False
         self._cancel_pending = False
+        self._last_submit = 0.0  # time.monotonic() of the last submit
         self._thread: threading.Thread | None = None
         # What the loop did; peak_running is a high-water mark. Every key exists from the start, so
         # reading the counters from another thread never sees the dict change size.
@@ -189,6 +198,7 @@ class Scheduler:
                 )
             requests = [_Request(next(self._seq), p, sp, adapter, m, s, cb) for p, sp, m, s, cb in prepared]
             self._waiting.extend(requests)
+            self._last_submit = time.monotonic()
             self._cv.notify_all()
         return requests
 
@@ -279,6 +289,8 @@ class Scheduler:
             with self._cv:
                 while not self._has_work():
                     self._cv.wait()
+                if self._batch is None:
+                    self._await_burst()
                 if self._stopping:
                     break
                 calls = list(self._calls)
@@ -312,6 +324,16 @@ class Scheduler:
             for row in admitted + (self._batch.rows if self._batch is not None else []):
                 row.fail(exc)
             self._batch = None
+
+    def _await_burst(self) -> None:
+        """With nothing running, let a burst of requests finish arriving (holding ``_cv``)."""
+        first = self._last_submit
+        while self._waiting and not (self._stopping or self._calls or self._cancel_pending):
+            now = time.monotonic()
+            wake = min(self._last_submit + BURST_GAP_S, first + BURST_MAX_WAIT_S)
+            if now >= wake:
+                return
+            self._cv.wait(wake - now)
 
     def _has_work(self) -> bool:
         if self._stopping or self._calls or self._cancel_pending:
