@@ -33,13 +33,13 @@ import json
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from examples.simple_math.task import make_rows, reward_fn
+from rllm_skyrl.process_clock import process_started_at
 
 
 def digit_reward(completions: list, answer: list[str], **_) -> list[float]:
@@ -56,7 +56,7 @@ class StepRecords(TrainerCallback):
         self.timer = timer
         self.begin = 0.0
         self.end = 0.0
-        self.created = psutil.Process().create_time()
+        self.created = process_started_at()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.begin = time.time()

@@ -18,12 +18,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import psutil
 import ray
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.platform import Platform
+from rllm_skyrl.process_clock import process_started_at
 from rllm_skyrl.run_config import RunConfig
 from rllm_skyrl.secret_masking import is_secret_key
 from rllm_skyrl.servers import ServerGroup, start_servers
@@ -249,7 +249,7 @@ class Runtime:
             return {}
         self._startup_reported = True
         metrics = {f"time/startup/{name}": seconds for name, seconds in self.startup_seconds.items()}
-        metrics["time/startup/process_to_first_step"] = self._first_step_at - psutil.Process().create_time()
+        metrics["time/startup/process_to_first_step"] = self._first_step_at - process_started_at()
         return metrics
 
     @contextmanager
