@@ -207,8 +207,13 @@ class ModelRegistry:
         batch: TrainingInputBatch,
         loss_fn: str | ResolvedLoss | None = None,
         loss_fn_config: Mapping[str, Any] | None = None,
+        *,
+        elementwise_loss: bool = True,
     ) -> ForwardBackwardOutput:
         """Accumulate gradients of the named loss; ``optim_step`` applies them.
+
+        ``elementwise_loss=False`` leaves an RL loss's per-token terms out of the rows (their
+        recomputation is a backward pass of its own) for callers that read only the logprobs.
 
         Several calls before one ``optim_step`` equal one call on the concatenated rows, provided
         the rows carry the reduction for the whole set: policy losses are masked sums (scale
@@ -227,7 +232,7 @@ class ModelRegistry:
             metrics = {**out.metrics, "loss": float(out.metrics["critic_loss"])}
             return _tinker_output(out.loss_fn_output_type, [{} for _ in range(n_real)], metrics, padded)
         out = self.workers.forward_backward(POLICY, padded, **resolved.dispatch_kwargs())
-        return self._policy_output(out, resolved, padded, n_real)
+        return self._policy_output(out, resolved, padded, n_real, elementwise_loss)
 
     def optim_step(self, model_id: str) -> float | None:
         """Apply the accumulated gradients; returns the gradient norm before clipping."""
@@ -284,13 +289,22 @@ class ModelRegistry:
         """The batch padded to a multiple of the role's DP size, and how many rows are real."""
         return pad_to_multiple(batch, self.workers.dp_size(role)), real_rows(batch)
 
-    def _policy_output(self, out, resolved: ResolvedLoss, batch: TrainingInputBatch, n_real: int):
+    def _policy_output(
+        self,
+        out,
+        resolved: ResolvedLoss,
+        batch: TrainingInputBatch,
+        n_real: int,
+        elementwise_loss: bool = True,
+    ):
         """Worker output of a policy loss -> Tinker rows, with ``elementwise_loss`` for RL losses."""
         logprobs = [out.loss_fn_outputs[i]["logprobs"] for i in range(batch.batch_size)]
         metrics = dict(out.metrics)
         metrics["loss"] = float(metrics["final_loss"] if "final_loss" in metrics else metrics["loss"])
         if resolved.loss_fn == "cross_entropy":
             elementwise = [out.loss_fn_outputs[i]["elementwise_loss"] for i in range(batch.batch_size)]
+        elif not elementwise_loss:
+            elementwise = None
         else:
             elementwise_BT = self._elementwise_policy_loss(resolved, batch, logprobs)
             elementwise = None if elementwise_BT is None else elementwise_BT.tolist()

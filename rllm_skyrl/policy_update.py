@@ -77,7 +77,7 @@ class PolicyUpdate:
                 part = row_slice(batch, start, end, self.dp_size)
             else:
                 part = select_rows(batch, rows, self.dp_size)
-            output = self.models.forward_backward("policy", part, loss)
+            output = self.models.forward_backward("policy", part, loss, elementwise_loss=False)
             self.metrics.add(worker_metrics("policy", output.metrics))
             if first:  # the sampler-vs-trainer gap is measured before any update of this batch
                 logprobs = [{"logprobs": row["logprobs"]["data"]} for row in output.loss_fn_outputs]

@@ -172,6 +172,20 @@ def test_elementwise_loss_is_left_out_under_off_policy_correction(tiny_tokenizer
     assert set(output.loss_fn_outputs[0]) == {"logprobs"}
 
 
+def test_elementwise_loss_is_left_out_when_not_asked_for(tiny_tokenizer):
+    registry = ModelRegistry(FakeWorkers())
+    registry.create_model("pol")
+    batch = rl_fields(fake_batch(tiny_tokenizer))
+    full = registry.forward_backward("pol", batch, loss_fn="ppo")
+    lean = registry.forward_backward("pol", batch, loss_fn="ppo", elementwise_loss=False)
+    assert "elementwise_loss" in full.loss_fn_outputs[0]
+    assert [set(row) for row in lean.loss_fn_outputs] == [{"logprobs"}] * len(full.loss_fn_outputs)
+    assert [row["logprobs"] for row in lean.loss_fn_outputs] == [
+        row["logprobs"] for row in full.loss_fn_outputs
+    ]
+    assert lean.metrics == full.metrics
+
+
 def _tis_token():
     from skyrl.train.config.config import OffPolicyCorrectionConfig
 
