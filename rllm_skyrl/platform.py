@@ -12,7 +12,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| SkyRL patches (``compat_patches``) | tied embeddings, response logits; no-flash-attn stub | all four |
+| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all five |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -118,15 +118,18 @@ class Platform:
         names = [] if self.flash_attn else ["flash_attn_stub"]
         if not self.cuda:
             names.append("cpu")
-        return (*names, "tied_embeddings", "response_logits")
+        return (*names, "tied_embeddings", "response_logits", "memory_snapshots")
 
     def prepare_process(self) -> None:
         """Make this process able to import and run SkyRL's workers."""
         compat.apply(self.compat_patches)
 
     def ray_runtime_env(self) -> dict[str, Any]:
-        """Runtime-env entries every Ray worker needs: the same patches, through Ray's set-up hook."""
+        """Runtime-env entries every Ray worker needs: the same patches (but the driver's own),
+        through Ray's set-up hook."""
         return {
             "worker_process_setup_hook": compat.SETUP_HOOK,
-            "env_vars": {compat.ENV_VAR: ",".join(self.compat_patches)},
+            "env_vars": {
+                compat.ENV_VAR: ",".join(p for p in self.compat_patches if p not in compat.DRIVER_ONLY)
+            },
         }

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import flash_attn, response_logits, tied_embeddings
+from rllm_skyrl.compat import flash_attn, memory_snapshots, response_logits, tied_embeddings
 from rllm_skyrl.platform import Platform
 
 
@@ -34,7 +34,9 @@ def run_python(program: str, *args: str, env: dict[str, str] | None = None) -> d
 
 
 @pytest.mark.parametrize(
-    "patch", flash_attn.PATCHES + tied_embeddings.PATCHES + response_logits.PATCHES, ids=lambda p: p.name
+    "patch",
+    flash_attn.PATCHES + tied_embeddings.PATCHES + response_logits.PATCHES + memory_snapshots.PATCHES,
+    ids=lambda p: p.name,
 )
 def test_pinned_skyrl_still_needs_patch(patch):
     module_name, attribute, marker = patch.needed_by
@@ -128,12 +130,47 @@ def test_cuda_without_flash_attn_prepares_sdpa_and_keeps_cuda_untouched():
     assert outcome == {"stubbed": not flash_attn.available(), "cpu_patched": False, "retie": True}
 
 
+def test_memory_snapshots_are_asked_for_only_where_a_worker_records_them():
+    program = """
+        import json
+        from types import SimpleNamespace
+        from rllm_skyrl import compat
+        compat.apply(["flash_attn_stub", "memory_snapshots"])
+        from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+
+        calls = []
+        class Recorded(Exception):
+            pass
+        def ask_workers(*args, **kwargs):
+            calls.append([*args, *sorted(kwargs.values())])
+            raise Recorded()  # SkyRL's own path: it would ray.get the workers' answers next
+        groups = {
+            "policy": SimpleNamespace(record_memory=False, async_run_ray_method=ask_workers),
+            "critic": SimpleNamespace(record_memory=True, async_run_ray_method=ask_workers),
+        }
+        dispatch = SimpleNamespace(_actor_groups=groups)
+        WorkerDispatch._save_memory_snapshot(dispatch, "policy", "optim_step")
+        skipped = list(calls)
+        try:
+            WorkerDispatch._save_memory_snapshot(dispatch, "critic", "optim_step")
+        except Recorded:
+            pass
+        print(json.dumps({"skipped": skipped, "recorded": calls}))
+    """
+    outcome = run_python(program)
+    assert outcome["skipped"] == []
+    assert outcome["recorded"] == [["pass_through", "save_memory_snapshot", "critic_optim_step"]]
+
+
+EVERYWHERE = ("tied_embeddings", "response_logits", "memory_snapshots")
+
+
 @pytest.mark.parametrize(
     ("platform", "patches"),
     [
-        (Platform(cuda=False), ("flash_attn_stub", "cpu", "tied_embeddings", "response_logits")),
-        (Platform(cuda=True, flash_attn=False), ("flash_attn_stub", "tied_embeddings", "response_logits")),
-        (Platform(cuda=True, flash_attn=True), ("tied_embeddings", "response_logits")),
+        (Platform(cuda=False), ("flash_attn_stub", "cpu", *EVERYWHERE)),
+        (Platform(cuda=True, flash_attn=False), ("flash_attn_stub", *EVERYWHERE)),
+        (Platform(cuda=True, flash_attn=True), EVERYWHERE),
     ],
     ids=["cpu", "cuda-sdpa", "cuda-flash-attn"],
 )
@@ -141,7 +178,7 @@ def test_platform_names_the_patches_and_hands_them_to_ray_workers(platform, patc
     assert platform.compat_patches == patches
     env = platform.ray_runtime_env()
     assert env["worker_process_setup_hook"] == compat.SETUP_HOOK
-    assert env["env_vars"] == {compat.ENV_VAR: ",".join(patches)}
+    assert env["env_vars"] == {compat.ENV_VAR: ",".join(p for p in patches if p != "memory_snapshots")}
 
 
 def test_worker_hook_applies_what_the_driver_listed():

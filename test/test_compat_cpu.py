@@ -140,7 +140,7 @@ def test_patches_are_applied_inside_ray_workers():
         }
 
     result = ray.get(probe.remote())
-    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings,response_logits"
+    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings,response_logits"  # the dispatch's: driver
     assert result["applied"] and result["response_logits"]
     assert result["device"] == "cpu" and result["flash_attn"]
     assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones

@@ -6,6 +6,7 @@
 | ``cpu`` | no CUDA | ``cpu`` |
 | ``tied_embeddings`` | always | ``tied_embeddings`` |
 | ``response_logits`` | always | ``response_logits`` |
+| ``memory_snapshots`` | always, in the driver only | ``memory_snapshots`` |
 
 The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
 ``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
@@ -27,7 +28,11 @@ PATCH_SETS = {
     "cpu": "rllm_skyrl.compat.cpu",
     "tied_embeddings": "rllm_skyrl.compat.tied_embeddings",
     "response_logits": "rllm_skyrl.compat.response_logits",
+    "memory_snapshots": "rllm_skyrl.compat.memory_snapshots",
 }
+# Sets that change what only the driver runs (SkyRL's dispatch), kept out of the workers' hook: their
+# modules import SkyRL's function registries, which would call Ray from inside the set-up hook.
+DRIVER_ONLY = frozenset({"memory_snapshots"})
 SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
 ENV_VAR = "RLLM_SKYRL_COMPAT"
 
