@@ -66,7 +66,7 @@ def _publish_adapter(workers: Any, urls: list[str], target: Path) -> int:
 def _save_and_reload(workers: Any, servers: Any, target: Path, version: int) -> int:
     """Blocking (Ray and HTTP): runs off the event loop so rollouts go on meanwhile."""
     shutil.rmtree(target, ignore_errors=True)
-    workers.save_hf_model("policy", str(target))
+    workers.save_hf_model("policy", str(target), with_tokenizer=False)  # servers read weights only
     servers.load_weights(str(target.resolve()), weight_version=version)
     return directory_bytes(target)
 

@@ -170,8 +170,10 @@ class SkyRLWorkers:
             )
         )
 
-    def save_hf_model(self, role: str, export_dir: str) -> None:
-        self.dispatch.save_hf_model(role, export_dir, self.tokenizer)
+    def save_hf_model(self, role: str, export_dir: str, with_tokenizer: bool = True) -> None:
+        """The role's weights as an HF model directory; ``with_tokenizer=False`` for readers that
+        load weights only (a server's reload), which saves shipping the tokenizer to the worker."""
+        self.dispatch.save_hf_model(role, export_dir, self.tokenizer if with_tokenizer else None)
 
     def save_checkpoint(self, role: str, ckpt_dir: str) -> None:
         self.dispatch.save_checkpoint(role, ckpt_dir, tokenizer=self.tokenizer)

@@ -78,6 +78,8 @@ def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, t
         asyncio.run(weight_sync.sync_weights(method, workers, servers, tmp_path / "sync", version=1))
         synced, trainer_synced = server_vs_trainer(engine, workers, tiny_tokenizer)
         assert (synced - trainer_synced).abs().max() <= SAME_POLICY
+        # The servers read weights only: the tokenizer is neither shipped to the worker nor written.
+        assert not list((tmp_path / "sync").glob("tokenizer*"))
         # The trainer kept the tied embeddings tied through training.
         exported = hf_state(str(tmp_path / "sync"))
         embed = exported["model.embed_tokens.weight"]
