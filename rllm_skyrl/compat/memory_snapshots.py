@@ -18,11 +18,12 @@ _DISPATCH = "skyrl.backends.skyrl_train.workers.worker_dispatch"
 
 
 def _skip_snapshots_nobody_records() -> None:
-    from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
+    from skyrl.backends.skyrl_train.workers import worker_dispatch
 
-    original = WorkerDispatch._save_memory_snapshot
-    if getattr(original, "_rllm_skyrl_patched", False):
-        return
+    original = vars(worker_dispatch.WorkerDispatch).get("_save_memory_snapshot")
+    if original is None or getattr(original, "_rllm_skyrl_patched", False):
+        return  # installed already (or WorkerDispatch is a stand-in: nothing of SkyRL's to patch)
+    WorkerDispatch = worker_dispatch.WorkerDispatch
 
     @functools.wraps(original)
     def _save_memory_snapshot(self, model: str, tag: str) -> None:
