@@ -128,18 +128,33 @@ class InferenceService:
         If the awaiting task is cancelled (its client disconnected) or one job fails, the
         others are cancelled in the scheduler too: nobody is left to read them.
         """
+        if not jobs:
+            return []
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future] = [loop.create_future() for _ in jobs]
+        done: asyncio.Future = loop.create_future()
+        results: list[GenerationResult | None] = [None] * len(jobs)
+        remaining = len(jobs)
 
-        def settle_on_loop(future: asyncio.Future) -> Callable[[GenerationResult | BaseException], None]:
-            return lambda outcome: loop.call_soon_threadsafe(_settle, future, outcome)
+        # Called on the generation thread, which finishes every row of a batch in one pass: the
+        # loop is woken once per call (a failure at once), not once per sample.
+        def on_done(index: int) -> Callable[[GenerationResult | BaseException], None]:
+            def record(outcome: GenerationResult | BaseException) -> None:
+                nonlocal remaining
+                if isinstance(outcome, BaseException):
+                    loop.call_soon_threadsafe(_settle, done, outcome)
+                    return
+                results[index] = outcome
+                remaining -= 1
+                if remaining == 0:
+                    loop.call_soon_threadsafe(_settle, done, results)
+
+            return record
 
         requests = self.scheduler.submit(
-            [(prompt, params, settle_on_loop(f)) for (prompt, params), f in zip(jobs, futures, strict=True)],
-            adapter=adapter,
+            [(prompt, params, on_done(i)) for i, (prompt, params) in enumerate(jobs)], adapter=adapter
         )
         try:
-            return list(await asyncio.gather(*futures))
+            return list(await done)
         except BaseException:
             self.scheduler.cancel(requests)
             raise
@@ -271,7 +286,7 @@ class InferenceService:
         await self.on_thread(wake)
 
 
-def _settle(future: asyncio.Future, outcome: GenerationResult | BaseException) -> None:
+def _settle(future: asyncio.Future, outcome: Any) -> None:
     if future.done():
         return
     if isinstance(outcome, BaseException):
