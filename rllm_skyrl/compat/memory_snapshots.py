@@ -20,10 +20,10 @@ _DISPATCH = "skyrl.backends.skyrl_train.workers.worker_dispatch"
 def _skip_snapshots_nobody_records() -> None:
     from skyrl.backends.skyrl_train.workers import worker_dispatch
 
-    original = vars(worker_dispatch.WorkerDispatch).get("_save_memory_snapshot")
+    dispatch_class = worker_dispatch.WorkerDispatch
+    original = vars(dispatch_class).get("_save_memory_snapshot")
     if original is None or getattr(original, "_rllm_skyrl_patched", False):
         return  # installed already (or WorkerDispatch is a stand-in: nothing of SkyRL's to patch)
-    WorkerDispatch = worker_dispatch.WorkerDispatch
 
     @functools.wraps(original)
     def _save_memory_snapshot(self, model: str, tag: str) -> None:
@@ -32,7 +32,7 @@ def _skip_snapshots_nobody_records() -> None:
         original(self, model, tag)
 
     _save_memory_snapshot._rllm_skyrl_patched = True
-    WorkerDispatch._save_memory_snapshot = _save_memory_snapshot
+    dispatch_class._save_memory_snapshot = _save_memory_snapshot
 
 
 PATCHES: tuple[Patch, ...] = (
