@@ -28,6 +28,7 @@ pointer, ``trainer_state.json``, the role directories) is checked before any wor
 from __future__ import annotations
 
 import ast
+import asyncio
 import errno
 import fcntl
 import json
@@ -392,7 +393,9 @@ def failure_report(error: BaseException | None, step: int, checkpoints: Checkpoi
 
     first_line = (str(error).strip().splitlines() or [""])[0]
     cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-    if isinstance(error, ray.exceptions.RayActorError):
+    if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+        cause = "stopped by Ctrl-C or SIGTERM"  # inside asyncio.run both cancel the main task
+    elif isinstance(error, ray.exceptions.RayActorError):
         cause = f"a SkyRL training worker died ({cause})"
     elif "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
         where = checkpoints.root if checkpoints is not None else "the checkpoint directory"

@@ -13,11 +13,11 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rllm_skyrl import stop_signals
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.run_config.tree import hydra_cli_overrides
 
@@ -51,14 +51,6 @@ def one_line_errors(always: bool = False) -> Iterator[None]:
         raise SystemExit(2) from None
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so the same clean-up runs."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
-
-
 @contextmanager
 def clean_stop(always: bool = False) -> Iterator[None]:
     """A run stopped by Ctrl-C or SIGTERM shuts down what it started and exits within seconds.
@@ -66,28 +58,25 @@ def clean_stop(always: bool = False) -> Iterator[None]:
     Python's default SIGTERM ends the process without running ``finally`` blocks: Ray's daemons
     follow their parent, but its agents outlive the run by half a minute. With this, SIGTERM
     unwinds like Ctrl-C (servers, workers and Ray stopped; the log says which checkpoint a rerun
-    continues from): before ``ray.init`` through this handler, after it through Ray's own, which
-    raises ``SystemExit(15)`` and is recognised here. On the command line (a Hydra app, or
-    ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and the objects
-    still alive are frozen at exit: the interpreter's last garbage collection would otherwise walk
-    everything torch, Ray and transformers loaded, which takes 5 s on two busy cores.
+    continues from; see ``stop_signals``). On the command line (a Hydra app, or ``always``) the
+    stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and the objects still alive are
+    frozen at exit: the interpreter's last garbage collection would otherwise walk everything
+    torch, Ray and transformers loaded, which takes 5 s on two busy cores.
     """
     from hydra.core.hydra_config import HydraConfig
 
-    handler_set = threading.current_thread() is threading.main_thread() and (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    )
-    if handler_set:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    handler_set = stop_signals.install()
     command_line = always or HydraConfig.initialized()
     if command_line:
         atexit.register(gc.freeze)
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as stop:
-        # ray.init replaces the SIGTERM handler with one that raises SystemExit(15).
-        terminated = isinstance(stop, Terminated) or (
-            isinstance(stop, SystemExit) and stop.code == signal.SIGTERM
+        terminated = (
+            isinstance(stop, stop_signals.Terminated)
+            or (handler_set and stop_signals.received())
+            # Ray's own handler, where this one could not be installed (a worker thread's run)
+            or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
         )
         if not command_line or not (terminated or isinstance(stop, KeyboardInterrupt)):
             raise
@@ -95,7 +84,7 @@ def clean_stop(always: bool = False) -> Iterator[None]:
         raise SystemExit(143 if terminated else 130) from None
     finally:
         if handler_set:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            stop_signals.uninstall()
 
 
 def quiet_libraries(level: str | None = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from rllm_skyrl import weight_sync
+from rllm_skyrl import stop_signals, weight_sync
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.process_clock import process_started_at
@@ -102,6 +102,7 @@ def start_ray(
             **platform.ray_resources(num_cpus),
         )
 
+    stop_signals.reclaim()  # ray.init installed its own SIGTERM handler (see stop_signals)
     start_registry_actors()
     return True
 

@@ -1,0 +1,68 @@
+"""SIGTERM stops a run the way Ctrl-C does, whatever the run is doing when it arrives.
+
+Inside ``asyncio.run`` (rLLM's trainers and ours), Ctrl-C does not raise where it lands: the
+runner's own SIGINT handler cancels the main task, and the run unwinds through its ``finally``
+blocks. An exception raised by a signal handler instead lands in whatever the event loop is
+running at that instant, often an HTTP client's task half-way through a socket write; that task
+then dies of it, and asyncio prints its traceback ("Task exception was never retrieved") on top
+of the one-line stop. Ray's driver handler (``sys.exit(15)``, installed by ``ray.init``) does
+exactly that, so the runtime puts this module's handler back after ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+
+__all__ = ["Terminated", "install", "reclaim", "received", "uninstall"]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside an event loop, raised where Ctrl-C raises KeyboardInterrupt."""
+
+
+_installed = False
+_received = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    global _received
+    _received = True
+    on_sigint = signal.getsignal(signal.SIGINT)
+    if isinstance(getattr(getattr(on_sigint, "func", None), "__self__", None), asyncio.Runner):
+        # The runner cancels its main task now and raises KeyboardInterrupt once it has unwound;
+        # a second signal raises at once, as a second Ctrl-C does.
+        on_sigint(signal.SIGINT, frame)
+        return
+    raise Terminated()
+
+
+def install() -> bool:
+    """Handle SIGTERM here if this is the main thread and nothing else handles it; True if so."""
+    global _installed, _received
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _installed, _received = True, False
+    return True
+
+
+def reclaim() -> None:
+    """Take SIGTERM back from a library that replaced the handler (``ray.init`` does)."""
+    if _installed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def received() -> bool:
+    """Whether SIGTERM arrived since ``install``: the runner reports it as KeyboardInterrupt."""
+    return _received
+
+
+def uninstall() -> None:
+    global _installed
+    if _installed:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _installed = False

@@ -1,0 +1,80 @@
+"""SIGTERM unwinds a run as Ctrl-C does, also when it lands inside one of the event loop's tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rllm_skyrl.checkpoint import failure_report
+
+# The signal is raised from inside a task other than the main one: Python runs the handler in that
+# task's frame, as it does when SIGTERM lands while an HTTP client's task writes to a socket.
+_RUN = """
+import asyncio, os, signal, sys, time
+from rllm_skyrl import stop_signals
+from rllm_skyrl.launcher import clean_stop
+
+async def request():
+    try:
+        os.kill(os.getpid(), signal.{signal})
+        for _ in range(3000):
+            await asyncio.sleep(0.001)
+    except BaseException as stop:
+        print("request ended by", type(stop).__name__, flush=True)
+        raise
+
+async def main():
+    task = asyncio.create_task(request())
+    try:
+        await asyncio.sleep(30)
+    finally:
+        print("unwound", flush=True)
+
+with clean_stop(always=True):
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
+    if {reclaim}:
+        stop_signals.reclaim()  # what the runtime does after ray.init
+    {body}
+"""
+
+
+def _run(signal: str = "SIGTERM", reclaim: bool = True, body: str = "asyncio.run(main())"):
+    script = textwrap.dedent(_RUN).format(signal=signal, reclaim=reclaim, body=body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+
+
+def test_sigterm_inside_a_task_cancels_the_run_instead_of_killing_the_task():
+    done = _run()
+    assert done.returncode == 143, done.stderr
+    assert "request ended by CancelledError" in done.stdout and "unwound" in done.stdout, done.stdout
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_without_the_handler_taken_back_the_task_dies_of_the_signal():
+    """What the handler prevents: Ray's ``sys.exit`` raised in the task's frame kills that task, and
+    asyncio logs its traceback when the task is collected."""
+    done = _run(reclaim=False)
+    assert "request ended by SystemExit" in done.stdout, done.stdout
+
+
+def test_sigterm_outside_an_event_loop_raises_where_the_run_is():
+    done = _run(body="os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
+    assert done.returncode == 143, done.stderr
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_ctrl_c_inside_a_task_is_still_ctrl_c():
+    done = _run(signal="SIGINT")
+    assert done.returncode == 130, done.stderr
+    assert "request ended by CancelledError" in done.stdout and "unwound" in done.stdout, done.stdout
+    assert "stopped by Ctrl-C" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("stop", [asyncio.CancelledError(), KeyboardInterrupt()])
+def test_a_stopped_run_is_reported_as_stopped_not_as_an_exception_name(stop):
+    report = failure_report(stop, 2, None)
+    assert report.startswith("training stopped at step 2: stopped by Ctrl-C or SIGTERM;"), report
