@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -102,9 +103,52 @@ def start_ray(
             **platform.ray_resources(num_cpus),
         )
 
-    stop_signals.reclaim()  # ray.init installed its own SIGTERM handler (see stop_signals)
+    stop_signals.after_ray_init()  # from the main thread ray.init installed its own SIGTERM handler
     start_registry_actors()
     return True
+
+
+class _SigtermNoteFilter(logging.Filter):
+    """Drops Ray's warning that ``ray.init`` outside the main thread set no SIGTERM handler:
+    ``Runtime.start`` does so on purpose and settles SIGTERM itself (``stop_signals``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+_SIGTERM_NOTE_FILTER = _SigtermNoteFilter()
+
+
+class _RayStarter:
+    """``start_ray`` off the main thread, in a thread that lives until Ray is stopped.
+
+    Ray binds its daemons' lives to their parent with ``PR_SET_PDEATHSIG``, and Linux sends that
+    signal when the *thread* that started them exits: a pool thread going idle killed the raylet
+    mid-run. So this thread waits, once Ray is up, until ``release`` (after ``ray.shutdown``).
+    """
+
+    def __init__(self, **start_ray_args: Any) -> None:
+        self.started: Future = Future()
+        self._released = threading.Event()
+        threading.Thread(target=self._run, kwargs=start_ray_args, name="ray-start", daemon=True).start()
+
+    def _run(self, **start_ray_args: Any) -> None:
+        logging.getLogger("ray._private.worker").addFilter(_SIGTERM_NOTE_FILTER)
+        try:
+            self.started.set_result(start_ray(**start_ray_args))
+        except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
+            self.started.set_exception(error)
+        self._released.wait()
+
+    def owns_ray(self) -> bool:
+        """Wait for the start; whether it started Ray (even if it failed after ``ray.init``)."""
+        try:
+            return self.started.result()
+        except BaseException:
+            return ray.is_initialized()
+
+    def release(self) -> None:
+        self._released.set()
 
 
 def _require_ray_token() -> None:
@@ -168,17 +212,22 @@ class Runtime:
         self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
         self._first_step_at: float | None = None
         self._startup_reported = False
+        self._ray_starter: _RayStarter | None = None
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
         """Ray, the workers of ``run.roles`` and (``serve``) the inference servers.
 
-        This package's CPU servers are separate processes that need no Ray: they are launched first
-        and load their model while Ray and the workers come up; the tokenizer loads while the
-        workers' processes import and build the model. SkyRL's vLLM servers are Ray actors
-        and start after Ray; with ``colocate_all`` (CUDA) in SkyRL's order: the shared placement
-        group, the servers (they size their memory on GPUs the trainer does not use yet), then the
-        workers. A failure part-way stops whatever had started before re-raising.
+        On two cores the bring-up is bound by CPU, so the parts are ordered to keep both busy
+        without crowding the slowest chain (Ray, then the training worker's imports and model):
+        Ray's daemons start while this process imports SkyRL's worker modules; this package's CPU
+        servers (separate processes that need no Ray) are launched once Ray is up and load their
+        model while the workers' processes import and build theirs, as does the tokenizer here.
+        Launched before Ray instead, a server's imports competed with Ray's daemons and the
+        bring-up took 1-2 s longer. SkyRL's vLLM servers are Ray actors and start after Ray; with
+        ``colocate_all`` (CUDA) in SkyRL's order: the shared placement group, the servers (they
+        size their memory on GPUs the trainer does not use yet), then the workers. A failure
+        part-way stops whatever had started before re-raising.
         """
         started = time.perf_counter()
         runtime = cls(run, tokenizer)
@@ -188,15 +237,24 @@ class Runtime:
             if colocated and runtime.tokenizer is None:  # SkyRL's vLLM servers start before the workers
                 with phase("tokenizer"):
                     runtime.tokenizer = load_tokenizer(run.model_path)
+            with phase("imports"):
+                # SkyRL's function registries first: imported with Ray up they would start SkyRL's
+                # own registry actors (see ``start_ray``).
+                import skyrl.backends.skyrl_train.utils.ppo_utils  # noqa: F401
+
+                runtime._ray_starter = _RayStarter(
+                    skyrl_cfg=run.skyrl,
+                    log_dir=run.log_dir,
+                    platform=run.platform,
+                    cpu_threads=run.cpu_threads,
+                )
+                run.platform.prepare_process()
+            with phase("ray"):
+                runtime.owns_ray = runtime._ray_starter.started.result()
+                stop_signals.after_ray_init()
             if serve and not colocated and run.platform.server_kind(run.inference.urls) == "cpu_transformers":
                 with phase("servers_launch"):
                     runtime.servers = start_servers(run, runtime.tokenizer)
-            with phase("imports"):
-                run.platform.prepare_process()
-            with phase("ray"):
-                runtime.owns_ray = start_ray(
-                    run.skyrl, log_dir=run.log_dir, platform=run.platform, cpu_threads=run.cpu_threads
-                )
             if colocated:
                 with phase("placement_group"):
                     runtime.placement_group = colocated_placement_group(run.skyrl)
@@ -225,6 +283,8 @@ class Runtime:
                         runtime.servers = start_servers(run, runtime.tokenizer)
                     runtime.servers.wait_ready()
         except BaseException:
+            if runtime._ray_starter is not None and not runtime.owns_ray:  # stopped while Ray came up
+                runtime.owns_ray = runtime._ray_starter.owns_ray()
             runtime.shutdown()
             raise
         runtime.startup_seconds["total"] = time.perf_counter() - started
@@ -316,3 +376,5 @@ class Runtime:
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
         self.owns_ray = False
+        if self._ray_starter is not None:
+            self._ray_starter.release()

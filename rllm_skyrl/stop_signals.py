@@ -5,17 +5,18 @@ runner's own SIGINT handler cancels the main task, and the run unwinds through i
 blocks. An exception raised by a signal handler instead lands in whatever the event loop is
 running at that instant, often an HTTP client's task half-way through a socket write; that task
 then dies of it, and asyncio prints its traceback ("Task exception was never retrieved") on top
-of the one-line stop. Ray's driver handler (``sys.exit(15)``, installed by ``ray.init``) does
-exactly that, so the runtime puts this module's handler back after ``ray.init``.
+of the one-line stop. Ray's driver handler (``sys.exit(15)``, installed by ``ray.init`` when it is
+called from the main thread) does exactly that, so the runtime settles SIGTERM after ``ray.init``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 
-__all__ = ["Terminated", "install", "reclaim", "received", "uninstall"]
+__all__ = ["Terminated", "after_ray_init", "install", "received", "uninstall"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,10 +51,20 @@ def install() -> bool:
     return True
 
 
-def reclaim() -> None:
-    """Take SIGTERM back from a library that replaced the handler (``ray.init`` does)."""
-    if _installed and threading.current_thread() is threading.main_thread():
+def after_ray_init() -> None:
+    """Settle SIGTERM in the main thread once Ray is up, wherever ``ray.init`` ran: this module's
+    handler if ``install`` took the signal, otherwise the exit Ray's driver handler makes (which
+    ``ray.init`` installs only when called from the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if _installed:
         signal.signal(signal.SIGTERM, _on_sigterm)
+    elif signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit)
+
+
+def _exit(signum: int, frame: object) -> None:
+    sys.exit(signum)
 
 
 def received() -> bool:

@@ -357,3 +357,67 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
         assert runtime.placement_group is pg
     else:
         assert events == ["patches", ("workers", None), ("servers", None), "servers ready"]
+
+
+def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkeypatch):
+    """Ray comes up in a thread while this process imports SkyRL's worker modules (the fake
+    imports wait for Ray to be starting: run one after the other they would time out); the CPU
+    servers launch once Ray is up, before the workers; and the thread that started Ray lives until
+    the runtime stops Ray, because Ray's daemons die with the thread that started them."""
+    events: list = []
+    ray_starting = threading.Event()
+    ray_threads: list[threading.Thread] = []
+
+    def start_ray(*args, **kwargs):
+        ray_threads.append(threading.current_thread())
+        ray_starting.set()
+        events.append("ray")
+        return True
+
+    def prepare_process(self):
+        events.append(("imports beside ray", ray_starting.wait(timeout=30)))
+
+    class Servers:
+        def wait_ready(self):
+            events.append("servers ready")
+
+        def stop(self):
+            events.append("servers stopped")
+
+    class Workers:
+        def __init__(self, *args, **kwargs):
+            events.append("workers")
+
+        def shutdown(self):
+            events.append("workers stopped")
+
+    monkeypatch.setattr(runtime_module, "start_ray", start_ray)
+    monkeypatch.setattr(Platform, "prepare_process", prepare_process)
+    launch = lambda run, tok: events.append("servers") or Servers()  # noqa: E731
+    monkeypatch.setattr(runtime_module, "start_servers", launch)
+    monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
+    monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
+    monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: False)  # nothing to shut down
+    run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
+    runtime = runtime_module.Runtime.start(run, tokenizer="tok")
+    assert sorted(events[:2], key=str) == [("imports beside ray", True), "ray"]
+    assert events[2:] == ["servers", "workers", "servers ready"]
+    assert runtime.owns_ray
+    (ray_thread,) = ray_threads
+    assert ray_thread is not threading.main_thread() and ray_thread.is_alive()
+    runtime.shutdown()
+    ray_thread.join(timeout=10)
+    assert not ray_thread.is_alive()
+
+
+def test_a_failed_ray_start_stops_the_bring_up_with_its_error(monkeypatch):
+    def start_ray(*args, **kwargs):
+        raise RuntimeError("no Ray today")
+
+    monkeypatch.setattr(runtime_module, "start_ray", start_ray)
+    monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
+    never = lambda *a, **k: pytest.fail("workers after a failed Ray")  # noqa: E731
+    monkeypatch.setattr(runtime_module, "SkyRLWorkers", never)
+    run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
+    with pytest.raises(RuntimeError, match="no Ray today"):
+        runtime_module.Runtime.start(run, tokenizer="tok")

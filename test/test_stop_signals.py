@@ -37,7 +37,7 @@ async def main():
 with clean_stop(always=True):
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
     if {reclaim}:
-        stop_signals.reclaim()  # what the runtime does after ray.init
+        stop_signals.after_ray_init()  # what the runtime does after ray.init
     {body}
 """
 
