@@ -130,6 +130,7 @@ class _RayStarter:
     def __init__(self, **start_ray_args: Any) -> None:
         self.started: Future = Future()
         self._released = threading.Event()
+        self._ray_was_up = ray.is_initialized()
         threading.Thread(target=self._run, kwargs=start_ray_args, name="ray-start", daemon=True).start()
 
     def _run(self, **start_ray_args: Any) -> None:
@@ -141,11 +142,11 @@ class _RayStarter:
         self._released.wait()
 
     def owns_ray(self) -> bool:
-        """Wait for the start; whether it started Ray (even if it failed after ``ray.init``)."""
+        """Wait for the start; whether it started Ray (also if it failed after ``ray.init``)."""
         try:
             return self.started.result()
         except BaseException:
-            return ray.is_initialized()
+            return not self._ray_was_up and ray.is_initialized()
 
     def release(self) -> None:
         self._released.set()

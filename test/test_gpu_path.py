@@ -410,10 +410,16 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     assert not ray_thread.is_alive()
 
 
-def test_a_failed_ray_start_stops_the_bring_up_with_its_error(monkeypatch):
+def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start(monkeypatch):
+    """The error reaches the caller; a Ray that was up before (a test session's, a notebook's) is
+    not shut down on the way out."""
+    shut_down: list = []
+
     def start_ray(*args, **kwargs):
         raise RuntimeError("no Ray today")
 
+    monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime_module.ray, "shutdown", lambda: shut_down.append(True))
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
     monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
     never = lambda *a, **k: pytest.fail("workers after a failed Ray")  # noqa: E731
@@ -421,3 +427,4 @@ def test_a_failed_ray_start_stops_the_bring_up_with_its_error(monkeypatch):
     run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
     with pytest.raises(RuntimeError, match="no Ray today"):
         runtime_module.Runtime.start(run, tokenizer="tok")
+    assert not shut_down
