@@ -72,11 +72,9 @@ def clean_stop(always: bool = False) -> Iterator[None]:
     try:
         yield
     except (KeyboardInterrupt, SystemExit) as stop:
-        terminated = (
-            isinstance(stop, stop_signals.Terminated)
-            or (handler_set and stop_signals.received())
+        terminated = (handler_set and stop_signals.received()) or (
             # Ray's own handler, where this one could not be installed (a worker thread's run)
-            or (isinstance(stop, SystemExit) and stop.code == signal.SIGTERM)
+            isinstance(stop, SystemExit) and stop.code == signal.SIGTERM
         )
         if not command_line or not (terminated or isinstance(stop, KeyboardInterrupt)):
             raise

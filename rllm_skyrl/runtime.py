@@ -108,15 +108,10 @@ def start_ray(
     return True
 
 
-class _SigtermNoteFilter(logging.Filter):
-    """Drops Ray's warning that ``ray.init`` outside the main thread set no SIGTERM handler:
+def _drop_sigterm_note(record: logging.LogRecord) -> bool:
+    """Ray's warning that ``ray.init`` outside the main thread set no SIGTERM handler:
     ``Runtime.start`` does so on purpose and settles SIGTERM itself (``stop_signals``)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
-
-
-_SIGTERM_NOTE_FILTER = _SigtermNoteFilter()
+    return "SIGTERM handler is not set" not in record.getMessage()
 
 
 class _RayStarter:
@@ -134,7 +129,7 @@ class _RayStarter:
         threading.Thread(target=self._run, kwargs=start_ray_args, name="ray-start", daemon=True).start()
 
     def _run(self, **start_ray_args: Any) -> None:
-        logging.getLogger("ray._private.worker").addFilter(_SIGTERM_NOTE_FILTER)
+        logging.getLogger("ray._private.worker").addFilter(_drop_sigterm_note)
         try:
             self.started.set_result(start_ray(**start_ray_args))
         except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
