@@ -135,11 +135,11 @@ class BatchStats:
 
 
 class _Turn(NamedTuple):
-    """A checked step; its prompt then response ids are int64 bytes of ``raw`` from byte ``start``."""
+    """A checked step; its prompt then response ids are ``ids[start:]`` (a ``Q``-format view)."""
 
     index: int
     fields: StepFields
-    raw: bytes
+    ids: memoryview
     start: int
 
 
@@ -148,7 +148,7 @@ class _Row:
     """One training row under construction, begun by its first step: a prompt and its response pieces.
 
     The row so far is always the last merged step's prompt followed by its response, which is what
-    a continuing step's prompt must start with; ``tail`` holds those ids as int64 bytes.
+    a continuing step's prompt must start with; ``tail`` is a view of those ids.
     """
 
     label: str
@@ -173,8 +173,12 @@ class _Row:
         return self.length - len(self.prompt_ids)
 
     def extended_by(self, turn: _Turn) -> bool:
-        """Whether the step continues the row (its prompt starts with the row so far): one memcmp."""
-        return len(turn.fields.prompt_ids) >= self.length and turn.raw.startswith(self.tail, turn.start)
+        """Whether the step continues the row (its prompt starts with the row so far): one comparison
+        of two views in C, about a nanosecond per id."""
+        return (
+            len(turn.fields.prompt_ids) >= self.length
+            and turn.ids[turn.start : turn.start + self.length] == self.tail
+        )
 
     def append(self, turn: _Turn) -> None:
         """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
@@ -186,7 +190,7 @@ class _Row:
         self.model_tokens += len(fields.response_ids)
         self.last_step = turn.index
         self.length = len(fields.prompt_ids) + len(fields.response_ids)
-        self.tail = memoryview(turn.raw)[turn.start : turn.start + 8 * self.length]
+        self.tail = turn.ids[turn.start : turn.start + self.length]
 
     @property
     def step_span(self) -> str:
@@ -241,10 +245,11 @@ def _trajectory_rows(
         row: _Row | None = None
         for index, step in lineage:
             if packed is not None:
-                turn = _Turn(index, packed.fields[index], packed.raw, packed.starts[index])
+                turn = _Turn(index, packed.fields[index], packed.ids, packed.starts[index])
             else:  # checked step by step, so that the first problem met is the one named
                 fields = step_fields(label, index, step, config, scalar, needs_advantages)
-                turn = _Turn(index, fields, fields.prompt_ids.tobytes() + fields.response_ids.tobytes(), 0)
+                ids = np.concatenate([fields.prompt_ids, fields.response_ids])
+                turn = _Turn(index, fields, memoryview(ids).cast("B").cast("Q"), 0)
             if row is not None and row.extended_by(turn):
                 row.append(turn)
             elif not len(turn.fields.prompt_ids):
