@@ -41,6 +41,7 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
 from rllm_skyrl.batch_layout import Piece, RowSpec, build_rows, pad_to_multiple
 from rllm_skyrl.trajectory_checks import (
+    BatchReads,
     MalformedTrajectoryError,
     StepFields,
     check_group,
@@ -49,7 +50,6 @@ from rllm_skyrl.trajectory_checks import (
     group_label,
     int_ids,
     outcome_reward,
-    packed_steps,
     real_scalar,
     reward_given,
     step_fields,
@@ -219,17 +219,18 @@ _NO_ADVANTAGE = object()
 
 def _trajectory_rows(
     group: Any,
-    traj_index: int,
+    key: tuple[int, int],
     trajectory: Any,
     config: BatchConfig,
     advantage: Any,
     needs_advantages: bool,
+    reads: BatchReads,
 ) -> tuple[list[_Row], int]:
     """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
 
     ``advantage`` is the trajectory's scalar advantage, ``_NO_ADVANTAGE`` when none is given.
     """
-    label = trajectory_label(group, traj_index)
+    label = trajectory_label(group, key[1])
     group_id = check_group_id(group, label)
     steps = check_trajectory(trajectory, label, config)
     # A bad reward is the usual cause of a bad advantage, so it is named first; a missing one waits
@@ -240,7 +241,7 @@ def _trajectory_rows(
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
     lineages = _lineages(label, steps)
-    packed = packed_steps(label, steps, config, scalar, needs_advantages)
+    packed = reads.steps(key, label, steps, scalar, needs_advantages)
     for lineage in lineages:
         row: _Row | None = None
         for index, step in lineage:
@@ -308,6 +309,16 @@ def trajectory_groups_to_batch(
     rows_per_traj: list[int] = []
     dropped: list[MalformedTrajectoryError] = []
 
+    reads = BatchReads(
+        (
+            ((g, t), trajectory)
+            for g, group in enumerate(groups)
+            if isinstance(trajectories := getattr(group, "trajectories", None), list | tuple)
+            for t, trajectory in enumerate(trajectories)
+        ),
+        config,
+    )
+
     def drop(err: MalformedTrajectoryError) -> None:
         if not config.drop_malformed:
             raise err
@@ -329,7 +340,7 @@ def trajectory_groups_to_batch(
             advantage = group_advantages[t] if group_advantages is not None else _NO_ADVANTAGE
             try:
                 traj_rows, num_steps = _trajectory_rows(
-                    group, t, trajectory, config, advantage, needs_advantages
+                    group, (g, t), trajectory, config, advantage, needs_advantages, reads
                 )
             except MalformedTrajectoryError as err:
                 drop(err)

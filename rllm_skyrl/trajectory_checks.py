@@ -29,7 +29,7 @@ What is accepted (only fields the conversion reads are checked):
 Element checks are vectorised: a list is packed in one ``struct.pack`` call (C code that rejects
 what is not an integer / real number, a few ns per element) and checked with numpy; only elements
 whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one. A trajectory
-of plain lists is checked by the same criteria all at once (``packed_steps``); one that may be
+of plain lists is checked by the same criteria with the whole batch (``BatchReads``); one that may be
 malformed is then checked step by step, so that its first problem is the one named.
 """
 
@@ -39,7 +39,7 @@ import math
 import operator
 import struct
 from array import array
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate
 from numbers import Integral
 from typing import Any, NamedTuple, Protocol
@@ -477,7 +477,7 @@ def _step_advantages(label: str, index: int, step: Any, n_response: int) -> np.n
 
 
 class PackedSteps(NamedTuple):
-    """A trajectory's checked steps, their arrays views of two buffers packed a trajectory at a time.
+    """A trajectory's checked steps, their arrays views of its chunk's two buffers (``BatchReads``).
 
     ``ids`` holds every step's prompt ids then its response ids (a ``Q``-format view of int64
     values), step after step; step ``k``'s start at element ``starts[k]``. A step's prompt followed
@@ -489,69 +489,160 @@ class PackedSteps(NamedTuple):
     starts: list[int]
 
 
-def packed_steps(
-    label: str, steps: Sequence[Any], config: RowRules, advantage: float | None, needs_advantages: bool
-) -> PackedSteps | None:
-    """``step_fields`` of every step (``steps`` is not empty), checked a trajectory at a time; ``None``
-    when a step might be malformed or holds other than plain lists and tuples. The caller then runs
-    ``step_fields`` step by step, which accepts numpy arrays and names the first problem in order.
+class _Span(NamedTuple):
+    """Where one trajectory's lists sit in its chunk: ``id_lists[first : first + 2 * steps]``."""
+
+    first: int
+    steps: int
+    first_logprobs: int
+
+
+class _Chunk:
+    """Consecutive trajectories read together: ids into one growing buffer, logprobs packed, then
+    checked with a few reductions for all of them; each one alone only when that check fails."""
+
+    def __init__(self, vocab_size: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.buffer = array("Q")
+        self.id_lists: list[list | tuple] = []
+        self.logprob_lists: list[list | tuple] = []
+        self.logprob_parts: list[bytes] = []
+
+    def read(self, steps: Sequence[Any]) -> _Span | None:
+        """Append a trajectory's lists; ``None`` (nothing appended) when one is not plain or not packable."""
+        span = _Span(len(self.id_lists), len(steps), len(self.logprob_lists))
+        buffered = len(self.buffer)
+        if self._read(steps):
+            return span
+        # undone: what it appended would shift every later trajectory's bounds
+        del self.buffer[buffered:], self.id_lists[span.first :]
+        del self.logprob_lists[span.first_logprobs :], self.logprob_parts[span.first_logprobs :]
+        return None
+
+    def _read(self, steps: Sequence[Any]) -> bool:
+        for step in steps:
+            prompt_ids = getattr(step, "prompt_ids", None)
+            response_ids = getattr(step, "response_ids", None)
+            logprobs = getattr(step, "logprobs", None)
+            if not (type(prompt_ids) in _PLAIN and type(response_ids) in _PLAIN and type(logprobs) in _PLAIN):
+                return False
+            if not response_ids or len(logprobs) != len(response_ids):
+                return False
+            try:
+                for ids in (prompt_ids, response_ids):
+                    if type(ids) is list:
+                        self.buffer.fromlist(ids)  # appends nothing when an element is refused
+                    else:
+                        self.buffer.extend(array("Q", ids))
+                    self.id_lists.append(ids)
+                self.logprob_parts.append(_pack(logprobs, "d"))
+            except Exception:  # an element that is not a number, or a negative id: step_fields names it
+                return False
+            self.logprob_lists.append(logprobs)
+        return True
+
+    def close(self) -> None:
+        """No more reads: the buffers become arrays, and the whole chunk is checked once."""
+        self.ids = np.frombuffer(self.buffer, dtype=np.int64)
+        self.logprobs = np.frombuffer(b"".join(self.logprob_parts), dtype=np.float64)
+        self.view = memoryview(self.buffer)
+        self.bounds = list(accumulate(map(len, self.id_lists), initial=0))
+        self.logprob_bounds = list(accumulate(map(len, self.logprob_lists), initial=0))
+        self.all_clean = self._clean(_Span(0, len(self.logprob_lists), 0))
+
+    def _clean(self, span: _Span) -> bool:
+        """Whether every list of ``span`` passes ``int_ids``'s and ``real_values``'s checks."""
+        if not span.steps:
+            return True
+        ids = self.bounds[span.first : span.first + 2 * span.steps + 1]
+        values = self.logprob_bounds[span.first_logprobs : span.first_logprobs + span.steps + 1]
+        return _clean_ids(
+            self.ids[ids[0] : ids[-1]],
+            self.id_lists[span.first : span.first + 2 * span.steps],
+            [b - ids[0] for b in ids],
+            self.vocab_size,
+        ) and _clean_logprobs(
+            self.logprobs[values[0] : values[-1]],
+            self.logprob_lists[span.first_logprobs : span.first_logprobs + span.steps],
+            [b - values[0] for b in values],
+        )
+
+    def steps(
+        self, span: _Span, label: str, steps: Sequence[Any], advantage: float | None, needs_advantages: bool
+    ) -> PackedSteps | None:
+        if not (self.all_clean or self._clean(span)):
+            return None
+        bounds, logprob_bounds = self.bounds, self.logprob_bounds
+        fields: list[StepFields] = []
+        for k, step in enumerate(steps):
+            start, middle, stop = bounds[span.first + 2 * k : span.first + 2 * k + 3]
+            if not needs_advantages or advantage is not None:
+                advantages = advantage if needs_advantages else None
+            else:
+                try:
+                    advantages = _step_advantages(label, k, step, stop - middle)
+                except Exception:  # met by step_fields in order, after earlier steps' own problems
+                    return None
+            j = span.first_logprobs + k
+            step_logprobs = self.logprobs[logprob_bounds[j] : logprob_bounds[j + 1]]
+            fields.append(
+                StepFields(self.ids[start:middle], self.ids[middle:stop], step_logprobs, advantages)
+            )
+        return PackedSteps(fields, self.view, bounds[span.first : span.first + 2 * span.steps : 2])
+
+
+class BatchReads:
+    """The ids and logprobs of a batch's trajectories, read a chunk of trajectories at a time and
+    checked a chunk at once, as the conversion asks for them.
 
     Why: a multi-turn trajectory re-sends the conversation so far in every prompt, so ids are most
-    of what is read, and ``step_fields`` adds about ten numpy calls per step. Here the ids go into
-    one buffer a trajectory and the logprobs into another, which a few reductions check by
-    ``int_ids``'s and ``real_values``'s criteria. Ids are appended with ``array.fromlist``, straight
-    from the list into the one growing buffer: half the time per element of building an array per
-    list (or of ``struct``, which copies the list into a tuple first), and no join afterwards. It
-    takes the integers (``int`` or ``__index__``) in ``[0, 2**64)``, so what it refuses ``int_ids``
-    refuses too, and the range check below turns away the rest. Subclasses of list or tuple are
-    left to ``step_fields``: ``array`` reads their items by index, ``struct`` by iteration.
+    of what is read, and ``step_fields`` adds about ten numpy calls per step; checking a trajectory
+    at a time still cost a dozen numpy calls each, which at a small model's shape (hundreds of rows
+    of a few dozen tokens) was most of the conversion. Ids are appended with ``array.fromlist``,
+    straight from each list into the chunk's buffer (half the time per element of an array per list,
+    or of ``struct``, which copies the list into a tuple first); logprobs are packed by ``struct``.
+    ``array("Q")`` takes the integers (``int`` or ``__index__``) in ``[0, 2**64)``, so what it
+    refuses ``int_ids`` refuses too, and the range check turns away the rest. A chunk holds about
+    ``CHUNK_IDS`` ids: small enough that its buffer is still in the core's cache when its rows are
+    merged (one buffer for a whole 2 M-token batch made the conversion slower, not faster).
+
+    A trajectory gets no reads (``steps`` returns ``None``, and the caller runs ``step_fields`` step
+    by step, which accepts numpy arrays and names the first problem in order) when its steps are
+    not a non-empty list or tuple of steps whose ids and logprobs are plain lists or tuples (not
+    subclasses: ``array`` reads those by index, ``struct`` by iteration), or might be malformed.
     """
-    id_lists: list[list | tuple] = []
-    logprob_lists: list[list | tuple] = []
-    logprob_parts: list[bytes] = []
-    buffer = array("Q")
-    for step in steps:
-        prompt_ids = getattr(step, "prompt_ids", None)
-        response_ids = getattr(step, "response_ids", None)
-        logprobs = getattr(step, "logprobs", None)
-        if not (type(prompt_ids) in _PLAIN and type(response_ids) in _PLAIN and type(logprobs) in _PLAIN):
-            return None
-        try:
-            for ids in (prompt_ids, response_ids):
-                if type(ids) is list:
-                    buffer.fromlist(ids)
-                else:
-                    buffer.extend(array("Q", ids))
-            logprob = _pack(logprobs, "d")
-        except Exception:  # an element that is not a number, or a negative id: step_fields names it
-            return None
-        if not response_ids or len(logprobs) != len(response_ids):
-            return None
-        id_lists += (prompt_ids, response_ids)
-        logprob_lists.append(logprobs)
-        logprob_parts.append(logprob)
-    ids = np.frombuffer(buffer, dtype=np.int64)
-    logprobs_all = np.frombuffer(b"".join(logprob_parts), dtype=np.float64)
-    bounds = list(accumulate(map(len, id_lists), initial=0))
-    response_bounds = list(accumulate(map(len, id_lists[1::2]), initial=0))
-    if not (
-        _clean_ids(ids, id_lists, bounds, config.vocab_size)
-        and _clean_logprobs(logprobs_all, logprob_lists, response_bounds)
-    ):
-        return None
-    fields: list[StepFields] = []
-    for k, step in enumerate(steps):
-        start, middle, end = bounds[2 * k], bounds[2 * k + 1], bounds[2 * k + 2]
-        if not needs_advantages or advantage is not None:
-            advantages = advantage if needs_advantages else None
+
+    CHUNK_IDS = 1 << 17  # 1 MiB of int64 ids
+
+    def __init__(self, trajectories: Iterable[tuple[Any, Any]], config: RowRules) -> None:
+        """``trajectories``: ``(key, trajectory)`` in the order ``steps`` will ask for them by key."""
+        self._vocab_size = config.vocab_size
+        self._pending: Iterator[tuple[Any, Any]] | None = iter(trajectories)
+        self._spans: dict[Any, tuple[_Chunk, _Span] | None] = {}
+
+    def _read_chunk(self) -> None:
+        chunk = _Chunk(self._vocab_size)
+        for key, trajectory in self._pending:
+            steps = getattr(trajectory, "steps", None)
+            span = chunk.read(steps) if isinstance(steps, list | tuple) and steps else None
+            self._spans[key] = None if span is None else (chunk, span)
+            if len(chunk.buffer) >= self.CHUNK_IDS:
+                break
         else:
-            try:
-                advantages = _step_advantages(label, k, step, end - middle)
-            except Exception:  # met by step_fields in order, after earlier steps' own problems
-                return None
-        step_logprobs = logprobs_all[response_bounds[k] : response_bounds[k + 1]]
-        fields.append(StepFields(ids[start:middle], ids[middle:end], step_logprobs, advantages))
-    return PackedSteps(fields, memoryview(buffer), bounds[0:-1:2])
+            self._pending = None
+        chunk.close()
+
+    def steps(
+        self, key: Any, label: str, steps: Sequence[Any], advantage: float | None, needs_advantages: bool
+    ) -> PackedSteps | None:
+        """``step_fields`` of each of ``steps`` (the checked steps of trajectory ``key``), or ``None``."""
+        while key not in self._spans and self._pending is not None:
+            self._read_chunk()
+        entry = self._spans.get(key)
+        if entry is None or entry[1].steps != len(steps):
+            return None
+        chunk, span = entry
+        return chunk.steps(span, label, steps, advantage, needs_advantages)
 
 
 def _clean_ids(ids: np.ndarray, lists: list[Any], bounds: list[int], vocab_size: int | None) -> bool:

@@ -22,7 +22,7 @@ from rllm_skyrl.data_adapter import (
     sft_examples_to_batch,
     trajectory_groups_to_batch,
 )
-from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
+from rllm_skyrl.trajectory_checks import BatchReads, MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)
@@ -295,6 +295,37 @@ def test_drop_malformed_counts_and_keeps_the_rest(trajectory, config, message, f
     assert batch.batch_size == 1 and real_tokens(batch, 0) == [1, 2]
     assert stats.dropped_malformed == 1 and message in stats.drop_reasons[0]
     assert stats.metrics()["batch/dropped_malformed_sequences"] == 1.0
+
+
+def multi_turn(first: int) -> Trajectory:
+    """Two merging steps whose ids start at ``first``: each good trajectory's tokens are its own."""
+    prompt, response = [first, first + 1], [first + 2, first + 3]
+    steps = [
+        Step(prompt, response, [-0.5, -0.25], advantage=1.0),
+        Step(prompt + response + [first + 4], [first + 5], [-0.125], advantage=1.0),
+    ]
+    return Trajectory(steps, reward=1.0, uid=f"u-{first}")
+
+
+@pytest.mark.parametrize("chunk_ids", [1, 12, BatchReads.CHUNK_IDS])
+@pytest.mark.parametrize(("trajectory", "config", "message", "field_name"), MALFORMED)
+def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
+    trajectory, config, message, field_name, chunk_ids, monkeypatch
+):
+    """Ids are read and checked a chunk of trajectories at a time: a bad trajectory's reads are
+    undone, or its chunk's check fails and each of the chunk's trajectories is checked alone; the
+    rows after it must come out exactly as they do without it, whatever the chunks hold."""
+    monkeypatch.setattr(BatchReads, "CHUNK_IDS", chunk_ids)
+    drop_config = replace(config, drop_malformed=True)
+    goods = [multi_turn(10), multi_turn(40), multi_turn(70)]
+    alone, _ = trajectory_groups_to_batch([group_of(*goods)], drop_config)
+    mixed, stats = trajectory_groups_to_batch(
+        [group_of(goods[0], trajectory, goods[1]), group_of(trajectory, goods[2], task="task-4")],
+        drop_config,
+    )
+    assert stats.drop_fields == (field_name, field_name) and message in stats.drop_reasons[0]
+    for key in ("sequences", "attention_mask", "loss_mask", "rollout_logprobs", "rewards"):
+        assert torch.equal(mixed[key], alone[key]), key
 
 
 def test_advantage_length_mismatch_names_the_step():
