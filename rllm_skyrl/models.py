@@ -59,6 +59,7 @@ MODEL_ROLES = (POLICY, CRITIC)
 _MASK_GRADIENT_LOSSES = ("regular", "importance_sampling", "cispo", "dppo")
 _RL_FIELDS = ("advantages", "action_log_probs")
 _CRITIC_FIELDS = ("values", "returns")
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class ModelRegistry:
         self._algorithm = {role: copy.deepcopy(workers.cfg.trainer.algorithm) for role in MODEL_ROLES}
         self._critic_value_clip_on_workers = self._algorithm[CRITIC].value_clip
         self._loss_configs: dict[str, Any] = {}  # see _policy_loss_config
+        # The loss function SkyRL's policy workers resolved when they were built (``policy_loss_fn``);
+        # a later set_algorithm_config of policy_loss_type does not change it.
+        self._built_policy_loss = workers.cfg.trainer.algorithm.policy_loss_type
 
     # ------------------------------------------------------------------ registry
 
@@ -231,7 +235,7 @@ class ModelRegistry:
             out = self.workers.forward_backward(CRITIC, padded)
             metrics = {**out.metrics, "loss": float(out.metrics["critic_loss"])}
             return _tinker_output(out.loss_fn_output_type, [{} for _ in range(n_real)], metrics, padded)
-        out = self.workers.forward_backward(POLICY, padded, **resolved.dispatch_kwargs())
+        out = self.workers.forward_backward(POLICY, padded, **self._update_loss_kwargs(resolved))
         return self._policy_output(out, resolved, padded, n_real, elementwise_loss)
 
     def optim_step(self, model_id: str) -> float | None:
@@ -278,6 +282,21 @@ class ModelRegistry:
             merge_adapter(export_dir, merged_dir, base_model=self.get(model_id).base_model)
 
     # ------------------------------------------------------------------ plumbing
+
+    def _update_loss_kwargs(self, resolved: ResolvedLoss) -> dict[str, Any]:
+        """The loss arguments of a policy update; none when ``resolved`` is the loss the workers hold.
+
+        Given a loss by name, SkyRL's worker looks it up in its function registry (two Ray calls to
+        the registry actor) and merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf,
+        once per micro-batch: milliseconds of a quickstart step. Without them it computes its
+        configured loss (``policy_loss_fn``) with its AlgorithmConfig, which SkyRL's own trainer
+        does, and which is the same loss when the name and every override already match.
+        """
+        algorithm = self._algorithm[POLICY]
+        configured = resolved.skyrl_loss_name == self._built_policy_loss and all(
+            getattr(algorithm, key, _MISSING) == value for key, value in resolved.skyrl_config.items()
+        )
+        return {} if configured else resolved.dispatch_kwargs()
 
     def _set_critic_value_clip(self, value_clip: float | None) -> None:
         """SkyRL's critic reads ``value_clip`` from worker state, not per call: push changes only."""

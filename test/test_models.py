@@ -186,6 +186,33 @@ def test_elementwise_loss_is_left_out_when_not_asked_for(tiny_tokenizer):
     assert lean.metrics == full.metrics
 
 
+def test_the_configured_loss_reaches_the_workers_without_a_name_or_overrides(tiny_tokenizer):
+    """SkyRL's worker computes its configured loss without a registry lookup or a config merge; any
+    other loss, or other values, goes by name with its overrides. (That both give the same loss is
+    ``test_forward_backward_matches_forward_and_trains``: ``forward`` always names its loss.)"""
+    workers = FakeWorkers()
+    registry = ModelRegistry(workers)
+    registry.create_model("pol")
+    batch = rl_fields(fake_batch(tiny_tokenizer))
+    assert workers.cfg.trainer.algorithm.policy_loss_type == "regular"
+
+    def sent(loss_fn, loss_fn_config=None) -> dict:
+        registry.forward_backward("pol", batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config)
+        return workers.calls[-1][2]
+
+    tighter = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+    assert sent("ppo") == {}
+    assert sent("ppo", tighter) == {
+        "loss_fn": "regular",
+        "loss_fn_config": {"policy_loss_type": "regular", "eps_clip_low": 0.1, "eps_clip_high": 0.1},
+    }
+    assert sent("cispo")["loss_fn"] == "cispo"
+    registry.set_algorithm_config("pol", eps_clip_low=0.1, eps_clip_high=0.1)
+    assert sent("ppo", tighter) == {}
+    registry.set_algorithm_config("pol", policy_loss_type="cispo")  # the workers' loss stays "regular"
+    assert sent("cispo")["loss_fn"] == "cispo" and sent("ppo", tighter)["loss_fn"] == "regular"
+
+
 def _tis_token():
     from skyrl.train.config.config import OffPolicyCorrectionConfig
 
