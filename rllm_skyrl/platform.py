@@ -12,7 +12,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all five |
+| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all six |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -118,7 +118,7 @@ class Platform:
         names = [] if self.flash_attn else ["flash_attn_stub"]
         if not self.cuda:
             names.append("cpu")
-        return (*names, "tied_embeddings", "response_logits", "memory_snapshots")
+        return (*names, "tied_embeddings", "response_logits", "memory_snapshots", "single_rank_reductions")
 
     def prepare_process(self) -> None:
         """Make this process able to import and run SkyRL's workers."""

@@ -7,6 +7,7 @@
 | ``tied_embeddings`` | always | ``tied_embeddings`` |
 | ``response_logits`` | always | ``response_logits`` |
 | ``memory_snapshots`` | always, in the driver only | ``memory_snapshots`` |
+| ``single_rank_reductions`` | always | ``single_rank_reductions`` |
 
 The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
 ``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
@@ -29,6 +30,7 @@ PATCH_SETS = {
     "tied_embeddings": "rllm_skyrl.compat.tied_embeddings",
     "response_logits": "rllm_skyrl.compat.response_logits",
     "memory_snapshots": "rllm_skyrl.compat.memory_snapshots",
+    "single_rank_reductions": "rllm_skyrl.compat.single_rank_reductions",
 }
 # Sets that change what only the driver runs (SkyRL's dispatch), kept out of the workers' hook: their
 # modules import SkyRL's function registries, which would call Ray from inside the set-up hook.
