@@ -125,6 +125,7 @@ def test_patches_are_applied_inside_ray_workers():
     @ray.remote(num_gpus=1)
     def probe():
         import torch as t
+        from skyrl.backends.skyrl_train.distributed.strategy import DistributedStrategy
         from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
 
         from rllm_skyrl.compat import cpu as worker_cpu
@@ -133,6 +134,7 @@ def test_patches_are_applied_inside_ray_workers():
             "hook": os.environ.get(compat.ENV_VAR),
             "applied": worker_cpu.is_applied(),
             "response_logits": getattr(HFModelWrapper.forward, "_rllm_skyrl_patched", False),
+            "reductions": getattr(DistributedStrategy.all_reduce, "_rllm_skyrl_patched", False),
             "device": str(t.cuda.current_device()),
             "flash_attn": "flash_attn" in sys.modules,
             "gpu_ids": ray.get_gpu_ids(),
@@ -140,8 +142,9 @@ def test_patches_are_applied_inside_ray_workers():
         }
 
     result = ray.get(probe.remote())
-    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings,response_logits"  # the dispatch's: driver
-    assert result["applied"] and result["response_logits"]
+    # memory_snapshots changes the dispatch, which only the driver runs
+    assert result["hook"] == "flash_attn_stub,cpu,tied_embeddings,response_logits,single_rank_reductions"
+    assert result["applied"] and result["response_logits"] and result["reductions"]
     assert result["device"] == "cpu" and result["flash_attn"]
     assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones
     assert result["niceness"] == os.nice(0)  # the training workers run at the driver's priority
