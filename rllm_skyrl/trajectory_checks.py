@@ -28,9 +28,9 @@ What is accepted (only fields the conversion reads are checked):
 
 Element checks are vectorised: a list is packed in one ``struct.pack`` call (C code that rejects
 what is not an integer / real number, a few ns per element) and checked with numpy; only elements
-whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one. A trajectory
-of plain lists is checked by the same criteria with the whole batch (``BatchReads``); one that may be
-malformed is then checked step by step, so that its first problem is the one named.
+whose value is 0 or 1, the only values a ``bool`` can take, are looked at one by one. Trajectories
+of plain lists are checked by the same criteria a chunk of them at a time (``BatchReads``); one that
+may be malformed is then checked step by step, so that its first problem is the one named.
 """
 
 from __future__ import annotations
