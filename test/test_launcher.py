@@ -92,6 +92,7 @@ def stop_ray_nodes(nodes: list[subprocess.Popen]) -> list[int]:
     return reap(tree, timeout=30)
 
 
+@pytest.mark.slow  # starts a second Ray node: about 40 s
 @pytest.mark.timeout(600)
 def test_training_step_runs_across_two_ray_nodes(tiny_model_dir, tiny_tokenizer, tmp_path):
     """A head node (``--port=0``: Ray takes a free port and reports it) plus a second node on

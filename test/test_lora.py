@@ -369,6 +369,7 @@ def test_export_writes_the_adapter_and_on_request_a_merged_model(trained, tiny_m
 # ---------------------------------------------------------------------------- checkpoint and resume
 
 
+@pytest.mark.slow  # two LoRA runs and a resume: about a minute (the full-weight resume test runs by default)
 def test_a_lora_run_resumes_exactly(tmp_path):
     """4 LoRA steps straight, against 2 steps resumed from the straight run's step-2 checkpoint."""
     common = [

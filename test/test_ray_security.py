@@ -62,6 +62,7 @@ PROBE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # probes every listening port of a live run: about 50 s
 @pytest.mark.timeout(400)
 def test_local_ray_and_servers_refuse_strangers(tmp_path):
     result = subprocess.run(
