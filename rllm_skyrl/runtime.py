@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
@@ -28,7 +28,7 @@ from rllm_skyrl.process_clock import process_started_at
 from rllm_skyrl.run_config import RunConfig
 from rllm_skyrl.secret_masking import is_secret_key
 from rllm_skyrl.servers import ServerGroup, start_servers
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.workers import SkyRLWorkers, start_early, stop_early
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,15 @@ def start_ray(
     num_cpus: int | None = None,
     platform: Platform | None = None,
     cpu_threads: int | None = None,
+    before_registries: Callable[[], None] | None = None,
 ) -> bool:
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
     With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started. The registry
     actors of SkyRL's loss and estimator functions are started with it (``registry_actors``); the
-    workers sync them when they start.
+    workers sync them when they start. ``before_registries`` runs between the two: actors it
+    creates get their processes first, and still find the registries, which are named (and so
+    found by name) from their creation on, long before a new process has imported SkyRL.
     """
     if ray.is_initialized():
         return False
@@ -104,6 +107,8 @@ def start_ray(
         )
 
     stop_signals.after_ray_init()  # from the main thread ray.init installed its own SIGTERM handler
+    if before_registries is not None:
+        before_registries()
     start_registry_actors()
     return True
 
@@ -115,26 +120,51 @@ def _drop_sigterm_note(record: logging.LogRecord) -> bool:
 
 
 class _RayStarter:
-    """``start_ray`` off the main thread, in a thread that lives until Ray is stopped.
+    """``start_ray`` off the main thread, with ``then()`` (the workers' early actors) once Ray is up,
+    in a thread that lives until Ray is stopped.
 
     Ray binds its daemons' lives to their parent with ``PR_SET_PDEATHSIG``, and Linux sends that
     signal when the *thread* that started them exits: a pool thread going idle killed the raylet
     mid-run. So this thread waits, once Ray is up, until ``release`` (after ``ray.shutdown``).
     """
 
-    def __init__(self, **start_ray_args: Any) -> None:
+    def __init__(self, then: Callable[[], Any] | None = None, **start_ray_args: Any) -> None:
         self.started: Future = Future()
+        self.then: Future = Future()  # what ``then`` returned, once Ray is up
         self._released = threading.Event()
         self._ray_was_up = ray.is_initialized()
-        threading.Thread(target=self._run, kwargs=start_ray_args, name="ray-start", daemon=True).start()
+        threading.Thread(
+            target=self._run, args=(then,), kwargs=start_ray_args, name="ray-start", daemon=True
+        ).start()
 
-    def _run(self, **start_ray_args: Any) -> None:
+    def _run(self, then: Callable[[], Any] | None, **start_ray_args: Any) -> None:
         logging.getLogger("ray._private.worker").addFilter(_drop_sigterm_note)
+
+        def run_then() -> None:
+            try:
+                self.then.set_result(then())
+            except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
+                self.then.set_exception(error)
+
         try:
-            self.started.set_result(start_ray(**start_ray_args))
-        except BaseException as error:  # noqa: BLE001  (handed to the waiting thread)
+            self.started.set_result(
+                start_ray(**start_ray_args, before_registries=run_then if then is not None else None)
+            )
+        except BaseException as error:  # noqa: BLE001
             self.started.set_exception(error)
+            if not self.then.done():
+                self.then.set_exception(error)
+        if not self.then.done() and then is not None:  # Ray was up already: start_ray started nothing
+            run_then()
+        elif not self.then.done():
+            self.then.set_result(None)
         self._released.wait()
+
+    def then_result(self) -> Any:
+        """What ``then`` returned, or None if it failed or has not run."""
+        if not self.then.done() or self.then.exception() is not None:
+            return None
+        return self.then.result()
 
     def owns_ray(self) -> bool:
         """Wait for the start; whether it started Ray (also if it failed after ``ray.init``)."""
@@ -239,6 +269,7 @@ class Runtime:
                 import skyrl.backends.skyrl_train.utils.ppo_utils  # noqa: F401
 
                 runtime._ray_starter = _RayStarter(
+                    then=lambda: start_early(run.skyrl, run.roles),
                     skyrl_cfg=run.skyrl,
                     log_dir=run.log_dir,
                     platform=run.platform,
@@ -268,6 +299,7 @@ class Runtime:
                     roles=run.roles,
                     platform=run.platform,
                     placement_group=runtime.placement_group,
+                    early=runtime._ray_starter.then.result(),
                 )
                 if loading is not None:
                     runtime.tokenizer = loading.result()
@@ -360,6 +392,8 @@ class Runtime:
         workers, self.workers, self.models = self.workers, None, None
         if workers is not None:
             workers.shutdown()
+        elif self._ray_starter is not None and ray.is_initialized():  # stopped before the workers took them
+            stop_early(self._ray_starter.then_result() or {})
 
     def _stop_placement_group(self) -> None:
         placement_group, self.placement_group = self.placement_group, None

@@ -7,6 +7,11 @@ deleted on its own.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +22,22 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
+
+# --------------------------------------------------------------------------- fresh interpreters
+
+
+def run_python(program: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run ``program`` in a new interpreter; it prints one JSON line last."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(program), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
 
 # --------------------------------------------------------------------------- SkyRL workers
 

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from helpers import run_python
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import (
@@ -24,19 +20,6 @@ from rllm_skyrl.compat import (
     tied_embeddings,
 )
 from rllm_skyrl.platform import Platform
-
-
-def run_python(program: str, *args: str, env: dict[str, str] | None = None) -> dict:
-    """Run ``program`` in a new interpreter; it prints one JSON line last."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(program), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **(env or {})},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(

@@ -310,6 +310,7 @@ def test_the_tokenizer_loads_while_the_workers_start(monkeypatch):
             pass
 
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
+    monkeypatch.setattr(runtime_module, "start_early", lambda cfg, roles: {})
     monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
     monkeypatch.setattr(runtime_module, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
@@ -325,6 +326,7 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     events: list = []
     pg = SimpleNamespace(pg="raw-pg")
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
+    monkeypatch.setattr(runtime_module, "start_early", lambda cfg, roles: {})
     monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
     monkeypatch.setattr(Platform, "prepare_process", lambda self: events.append("patches"))
 
@@ -361,18 +363,25 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
 
 def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkeypatch):
     """Ray comes up in a thread while this process imports SkyRL's worker modules (the fake
-    imports wait for Ray to be starting: run one after the other they would time out); the CPU
-    servers launch once Ray is up, before the workers; and the thread that started Ray lives until
-    the runtime stops Ray, because Ray's daemons die with the thread that started them."""
+    imports wait for Ray to be starting: run one after the other they would time out), and that
+    thread creates the workers' early actors once Ray is up; the CPU servers launch once Ray is up,
+    before the workers, which get the early actors; and the thread that started Ray lives until the
+    runtime stops Ray, because Ray's daemons die with the thread that started them."""
     events: list = []
     ray_starting = threading.Event()
     ray_threads: list[threading.Thread] = []
+    early = {"policy": "early actor"}
 
-    def start_ray(*args, **kwargs):
+    def start_ray(*args, before_registries=None, **kwargs):
         ray_threads.append(threading.current_thread())
         ray_starting.set()
+        before_registries()
         events.append("ray")
         return True
+
+    def start_early(cfg, roles):
+        assert threading.current_thread() in ray_threads and roles == ("policy",)
+        return early
 
     def prepare_process(self):
         events.append(("imports beside ray", ray_starting.wait(timeout=30)))
@@ -386,12 +395,13 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
 
     class Workers:
         def __init__(self, *args, **kwargs):
-            events.append("workers")
+            events.append(("workers", kwargs["early"] is early))
 
         def shutdown(self):
             events.append("workers stopped")
 
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
+    monkeypatch.setattr(runtime_module, "start_early", start_early)
     monkeypatch.setattr(Platform, "prepare_process", prepare_process)
     launch = lambda run, tok: events.append("servers") or Servers()  # noqa: E731
     monkeypatch.setattr(runtime_module, "start_servers", launch)
@@ -401,7 +411,7 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     assert sorted(events[:2], key=str) == [("imports beside ray", True), "ray"]
-    assert events[2:] == ["servers", "workers", "servers ready"]
+    assert events[2:] == ["servers", ("workers", True), "servers ready"]
     assert runtime.owns_ray
     (ray_thread,) = ray_threads
     assert ray_thread is not threading.main_thread() and ray_thread.is_alive()
