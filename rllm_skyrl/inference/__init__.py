@@ -3,11 +3,24 @@
 SkyRL's own ``RemoteInferenceClient`` drives it exactly as it drives SkyRL's vLLM servers, so the
 rollout path is the same on a laptop and on a GPU cluster. Full-weight sync, which SkyRL only
 does over vLLM/NCCL, goes through ``POST /rllm_skyrl/v1/load_weights``.
+
+The names below load their modules on first use: the driver imports this package for what its
+launcher needs (``middleware.TOKEN_ENV``), and should not pay for the server's torch and
+transformers imports before its start-up can begin.
 """
 
-from rllm_skyrl.inference.sampling import SamplingParams
-from rllm_skyrl.inference.scheduler import GenerationResult
-from rllm_skyrl.inference.server import InferenceServer
-from rllm_skyrl.inference.service import InferenceService
+import importlib
 
-__all__ = ["GenerationResult", "InferenceServer", "InferenceService", "SamplingParams"]
+_EXPORTS = {
+    "GenerationResult": "scheduler",
+    "InferenceServer": "server",
+    "InferenceService": "service",
+    "SamplingParams": "sampling",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
