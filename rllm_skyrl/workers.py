@@ -9,6 +9,7 @@ shutdown that leaves no actor behind.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -66,7 +67,8 @@ def start_early(cfg, roles: tuple[str, ...] | None = None) -> dict[str, EarlyAct
             "record_memory": False,
         }
         handle = worker_classes.actor_class(role).options(**options).remote(**kwargs)
-        early[role] = EarlyActor(options, kwargs, handle)
+        # A copy: the actor has the config as it was now, and a config changed since is not its.
+        early[role] = EarlyActor(options, copy.deepcopy(kwargs), handle)
     return early
 
 

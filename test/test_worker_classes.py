@@ -150,7 +150,8 @@ def test_early_actors_are_rank_zero_with_skyrls_options_and_only_without_a_place
             }
         )
 
-    early = workers.start_early(config(), roles=("policy",))
+    cfg = config()
+    early = workers.start_early(cfg, roles=("policy",))
     ((options, kwargs),) = recorder.created
     assert options == {"num_cpus": 1, "num_gpus": 1, "resources": None}
     assert kwargs["rank"] == 0 and kwargs["world_size"] == 1 and kwargs["master_addr"] is None
@@ -158,3 +159,20 @@ def test_early_actors_are_rank_zero_with_skyrls_options_and_only_without_a_place
     assert workers.start_early(config(policy_num_gpus_per_node=2), roles=("policy",)) == {}
     assert workers.start_early(config(colocate_all=True), roles=("policy",)) == {}
     assert len(recorder.created) == 1
+
+
+def test_a_config_changed_after_the_early_start_gets_a_new_actor(fake_actors):
+    """The early actor was created with the config as it was: SkyRL asking with the same object,
+    changed since, gets a new actor (and the early one is stopped)."""
+    recorder, killed = fake_actors
+    from omegaconf import OmegaConf
+
+    placement = {"colocate_all": False, "policy_num_nodes": 1, "policy_num_gpus_per_node": 1}
+    cfg = OmegaConf.create({"trainer": {"placement": placement, "policy": {"sequence_parallel_size": 1}}})
+    early = workers.start_early(cfg, roles=("policy",))
+    options, kwargs = recorder.created[0]
+    cfg.trainer.policy.sequence_parallel_size = 1  # unchanged: still that actor
+    assert workers._ActorType("policy", early["policy"]).create(options, kwargs) == "actor-1"
+    cfg.trainer.policy.optimizer = "changed"
+    assert workers._ActorType("policy", early["policy"]).create(options, kwargs) == "actor-2"
+    assert killed == ["actor-1"]
