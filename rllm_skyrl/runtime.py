@@ -246,7 +246,9 @@ class Runtime:
 
         On two cores the bring-up is bound by CPU, so the parts are ordered to keep both busy
         without crowding the slowest chain (Ray, then the training worker's imports and model):
-        Ray's daemons start while this process imports SkyRL's worker modules; this package's CPU
+        Ray's daemons start while this process imports SkyRL's worker modules, and as soon as Ray
+        is up each worker group's first actor is created (``workers.start_early``), so that its
+        process imports beside this one instead of after it; this package's CPU
         servers (separate processes that need no Ray) are launched once Ray is up and load their
         model while the workers' processes import and build theirs, as does the tokenizer here.
         Launched before Ray instead, a server's imports competed with Ray's daemons and the

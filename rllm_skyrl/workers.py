@@ -126,7 +126,8 @@ class SkyRLWorkers:
     what the config asks for (``run_config.roles_for``). With ``trainer.placement.colocate_all``
     the actors go into ``placement_group``, the one SkyRL's vLLM servers were started in
     (``runtime.colocated_placement_group``); SkyRL's dispatch then moves models on and off the
-    GPUs, and its weight transfer uses CUDA IPC.
+    GPUs, and its weight transfer uses CUDA IPC. ``early``: first actors created before
+    (``start_early``); each goes to the group that asks for exactly it, and the rest are stopped.
     """
 
     def __init__(
