@@ -16,6 +16,7 @@ nothing of this module, and the driver can start it while it imports its own mod
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ray
@@ -127,8 +128,7 @@ def actor_class(role: str) -> Any:
 
 
 def skyrl_class(name: str) -> type:
-    import importlib
-
+    """SkyRL's class behind one of our names (imports SkyRL's worker module)."""
     return getattr(importlib.import_module(_SKYRL_MODULE), SKYRL_CLASSES[name])
 
 
