@@ -31,25 +31,14 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 
 from rllm_skyrl.compat import rllm
+from rllm_skyrl.run_config.resolve import OUTCOME_ESTIMATORS as ESTIMATORS
+from rllm_skyrl.run_config.resolve import SKYRL_LOSS_REDUCTIONS
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
-
-ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline", "prpo")
 
 # A group whose rewards spread less than this carries no learning signal (rLLM's tolerance).
 ZERO_VARIANCE_STD = 1e-8
 
-# Our names (rLLM/verl spellings, with "-" or "_") -> (SkyRL reduction, fixed length constant or None).
-# seq_mean_token_sum is Dr. GRPO's seq_mean_token_sum_norm with a constant of 1: sum per sequence,
-# mean over sequences.
-_LOSS_REDUCTIONS: dict[str, tuple[str, int | None]] = {
-    "token_mean": ("token_mean", None),
-    "sequence_mean": ("sequence_mean", None),
-    "seq_mean_token_mean": ("sequence_mean", None),
-    "seq_mean_token_sum": ("seq_mean_token_sum_norm", 1),
-    "seq_mean_token_sum_norm": ("seq_mean_token_sum_norm", None),
-    "prompt_mean": ("prompt_mean", None),
-}
-LOSS_REDUCTIONS = tuple(_LOSS_REDUCTIONS)
+LOSS_REDUCTIONS = tuple(SKYRL_LOSS_REDUCTIONS)
 
 
 def outcome_advantages(
@@ -359,7 +348,7 @@ def apply_loss_reduction(
     rows arrive in several calls whose gradients accumulate (rLLM's fully-async chunks).
     """
     key = loss_reduction.replace("-", "_")
-    if key not in _LOSS_REDUCTIONS:
+    if key not in SKYRL_LOSS_REDUCTIONS:
         raise ValueError(f"unknown loss_reduction {loss_reduction!r}; choose one of {list(LOSS_REDUCTIONS)}")
     if "loss_reduction" in batch.metadata:
         raise ValueError(
@@ -368,7 +357,7 @@ def apply_loss_reduction(
         )
     if batch.get("advantages") is None:
         raise ValueError("batch has no advantages to scale; compute them before applying the loss reduction")
-    skyrl_reduction, fixed_len = _LOSS_REDUCTIONS[key]
+    skyrl_reduction, fixed_len = SKYRL_LOSS_REDUCTIONS[key]
     seq_len = fixed_len or max_seq_len
     if skyrl_reduction == "seq_mean_token_sum_norm" and seq_len is None:
         raise ValueError("seq_mean_token_sum_norm divides by a constant length: pass max_seq_len")

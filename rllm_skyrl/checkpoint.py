@@ -47,13 +47,13 @@ import numpy as np
 import torch
 
 from rllm_skyrl.errors import UserFacingError
+from rllm_skyrl.run_config.resolve import RESUME_MODES
 
 logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "global_step_"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
-RESUME_MODES = ("auto", "disable", "resume_path")
 LOCK_FILE = ".lock"
 _TMP = f".tmp_{STEP_PREFIX}"
 _OLD = f".old_{STEP_PREFIX}"

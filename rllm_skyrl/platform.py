@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import cpu, flash_attn
+from rllm_skyrl.compat import flash_attn
 
 # Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at data-parallel
 # size 2 each. They only gate scheduling; nothing runs on them.
@@ -45,6 +45,8 @@ class Platform:
     @classmethod
     def detect(cls) -> Platform:
         """This machine: CUDA if torch sees a GPU; flash-attn if it is installed (never used on CPU)."""
+        from rllm_skyrl.compat import cpu  # imports torch, which a launcher starting Ray need not
+
         cuda = cpu.cuda_available()
         return cls(cuda=cuda, flash_attn=cuda and flash_attn.available())
 
@@ -109,6 +111,8 @@ class Platform:
         if not self.flash_attn:
             overrides.update(flash_attn.CONFIG_OVERRIDES)
         if not self.cuda:
+            from rllm_skyrl.compat import cpu
+
             overrides.update(cpu.CPU_CONFIG_OVERRIDES)
         return overrides
 

@@ -20,8 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm_skyrl import advantages, losses
-from rllm_skyrl.checkpoint import RESUME_MODES
+from rllm_skyrl import losses
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.run_config import bridge
@@ -31,8 +30,22 @@ from rllm_skyrl.run_config.skyrl import make_skyrl_config
 from rllm_skyrl.run_config.tree import select
 from rllm_skyrl.run_config.values import check_values
 
-OUTCOME_ESTIMATORS = advantages.ESTIMATORS
+# rLLM's outcome estimators (``advantages``); GAE is SkyRL's and needs a critic.
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline", "prpo")
 SUPPORTED_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
+RESUME_MODES = ("auto", "disable", "resume_path")  # ``training.resume_mode`` (``checkpoint``)
+
+# Our names (rLLM/verl spellings, with "-" or "_") -> (SkyRL reduction, fixed length constant or None).
+# seq_mean_token_sum is Dr. GRPO's seq_mean_token_sum_norm with a constant of 1: sum per sequence,
+# mean over sequences.
+SKYRL_LOSS_REDUCTIONS: dict[str, tuple[str, int | None]] = {
+    "token_mean": ("token_mean", None),
+    "sequence_mean": ("sequence_mean", None),
+    "seq_mean_token_mean": ("sequence_mean", None),
+    "seq_mean_token_sum": ("seq_mean_token_sum_norm", 1),
+    "seq_mean_token_sum_norm": ("seq_mean_token_sum_norm", None),
+    "prompt_mean": ("prompt_mean", None),
+}
 # The policy loss when rllm.algorithm.loss_fn names none, as rLLM's tinker backend picks it.
 _LOSS_BY_ESTIMATOR = {"grpo": "ppo", "gae": "ppo"}
 
@@ -358,10 +371,9 @@ def resolve_run_config(
     if not policy_loss.uses_advantages and policy_loss.loss_fn != "cross_entropy":
         raise ConfigError(f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r} cannot train from rewards")
     loss_reduction = select(cfg, "rllm.algorithm.loss_agg_mode") or "token_mean"
-    if loss_reduction.replace("-", "_") not in advantages.LOSS_REDUCTIONS:
+    if loss_reduction.replace("-", "_") not in SKYRL_LOSS_REDUCTIONS:
         raise ConfigError(
-            f"rllm.algorithm.loss_agg_mode={loss_reduction!r}: "
-            f"choose one of {list(advantages.LOSS_REDUCTIONS)}"
+            f"rllm.algorithm.loss_agg_mode={loss_reduction!r}: choose one of {list(SKYRL_LOSS_REDUCTIONS)}"
         )
     if select(cfg, "rllm.algorithm.rollout_correction.tis_mode"):
         raise ConfigError(
