@@ -119,8 +119,19 @@ def run(
     """Train with ``SkyRLBackend`` under the unified trainer; returns the run directory.
 
     Uses this package's trainer (rLLM's call order and types); the backend is the same class
-    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``.
+    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``. On a machine without GPUs, Ray starts
+    in its own process first (``ray_head``), beside the imports of the trainer and its backend.
     """
+    from rllm_skyrl import ray_head
+
+    ray_head.launch_for_cpu_run()
+    try:
+        return _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset)
+    finally:
+        ray_head.stop()  # the runtime stopped it already, unless the run ended before it started
+
+
+def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path:
     from rllm_skyrl.backend import SkyRLBackend
     from rllm_skyrl.run_log import read_metrics
     from rllm_skyrl.secret_masking import mask_process_output

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from typing import Any
 
 import ray
 
-from rllm_skyrl import stop_signals, weight_sync
+from rllm_skyrl import ray_head, stop_signals, weight_sync
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.process_clock import process_started_at
@@ -74,7 +73,8 @@ def start_ray(
 ) -> bool:
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
-    With ``RAY_ADDRESS`` set we join that cluster; otherwise a local Ray is started. The registry
+    With ``RAY_ADDRESS`` set we join that cluster; otherwise the local Ray launched at the run's
+    first line (``ray_head``) if it has what this run needs, else one started here. The registry
     actors of SkyRL's loss and estimator functions are started with it (``registry_actors``); the
     workers sync them when they start. ``before_registries`` runs between the two: actors it
     creates get their processes first, and still find the registries, which are named (and so
@@ -92,19 +92,22 @@ def start_ray(
     joining = bool(os.environ.get("RAY_ADDRESS"))
     runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining, cpu_threads=cpu_threads)
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    init_args = ray_head.local_init_args(platform, num_cpus)
+    local = ray_head.launched()
+    if local is not None and (joining or local.init_args != init_args):
+        logger.info("the Ray launched at start-up is not the one this run needs; starting another")
+        ray_head.stop()
+        local = None
     if joining:
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
+    elif local is not None:  # launched at the run's first line (``ray_head``): connect to it
+        ray_head.require_token(local.token)
+        address = local.address()
+        ray.init(address=address, _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False)
     else:
-        _require_ray_token()
-        ray.init(
-            _node_ip_address="127.0.0.1",
-            runtime_env=runtime_env,
-            log_to_driver=False,
-            include_dashboard=False,
-            _system_config={"prestart_worker_first_driver": False, **platform.ray_system_config()},
-            **platform.ray_resources(num_cpus),
-        )
+        ray_head.require_token()
+        ray.init(_node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False, **init_args)
 
     stop_signals.after_ray_init()  # from the main thread ray.init installed its own SIGTERM handler
     if before_registries is not None:
@@ -175,21 +178,6 @@ class _RayStarter:
 
     def release(self) -> None:
         self._released.set()
-
-
-def _require_ray_token() -> None:
-    """Make the local Ray we start refuse every client without this run's token.
-
-    Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
-    loopback; with Ray's token authentication they refuse anyone without the token, and the
-    Prometheus exporter (the one unauthenticated listener) is not started. Ray reads these settings
-    once, when it is imported, hence the re-read. Workers inherit the token from the raylet.
-    """
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
-    os.environ["RAY_enable_metrics_collection"] = "0"
-    ray._raylet.Config.initialize("")
-    ray._raylet.AuthenticationTokenLoader.instance().reset_cache()
 
 
 def colocated_placement_group(skyrl_cfg: Any):
@@ -407,6 +395,8 @@ class Runtime:
     def _stop_ray(self) -> None:
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+        if self.owns_ray:
+            ray_head.stop()
         self.owns_ray = False
         if self._ray_starter is not None:
             self._ray_starter.release()

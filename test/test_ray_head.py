@@ -1,0 +1,123 @@
+"""A run's local Ray in a process of its own: connected to, stopped, gone with its driver, refused
+when the run needs another. Each Ray runs in a fresh interpreter, apart from the suite's shared one.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from helpers import run_python, wait_until
+
+from rllm_skyrl import ray_head
+from rllm_skyrl.platform import Platform
+
+
+def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it():
+    """The driver joins the Ray launched at the first line (the same GCS; a Ctrl-C meanwhile is the
+    driver's, not the launched process's), its workers get the run's runtime env, a client without
+    the token is refused, and the runtime's stop leaves no process behind."""
+    outcome = run_python("""
+        import json, os, signal, subprocess, sys
+        import psutil, ray
+        from rllm_skyrl import ray_head
+        from rllm_skyrl.run_config import make_skyrl_config
+        from rllm_skyrl.runtime import start_ray
+        local = ray_head.launch_for_cpu_run()
+        local.address()
+        os.kill(local.process.pid, signal.SIGINT)
+        owned = start_ray(make_skyrl_config(), cpu_threads=1)
+
+        @ray.remote(num_cpus=0)
+        def threads():
+            return os.environ.get("OMP_NUM_THREADS")
+
+        gcs = ray.get_runtime_context().gcs_address
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        intruder = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{gcs}')"],
+                                  env=env, capture_output=True, text=True, timeout=120)
+        result = {
+            "owned": owned, "same_ray": gcs == local.address(), "threads": ray.get(threads.remote()),
+            "cpus": ray.cluster_resources()["CPU"],
+            "refused": intruder.returncode != 0 and "Auth" in intruder.stderr,
+        }
+        descendants = psutil.Process(local.process.pid).children(recursive=True)
+        ray.shutdown()
+        ray_head.stop()
+        gone, alive = psutil.wait_procs(descendants, timeout=30)
+        result["left"] = [p.pid for p in alive] + [local.process.pid] * (local.process.poll() is None)
+        print(json.dumps(result))
+    """)
+    assert outcome == {
+        "owned": True,
+        "same_ray": True,
+        "threads": "1",
+        "cpus": 8.0,
+        "refused": True,
+        "left": [],
+    }
+
+
+@pytest.mark.slow
+def test_the_launched_ray_goes_with_a_driver_killed_by_sigkill(tmp_path):
+    pids = tmp_path / "pids"
+    program = """
+        import os, signal, sys
+        import psutil
+        from rllm_skyrl import ray_head
+        local = ray_head.launch({"num_cpus": 1, "include_dashboard": False})
+        local.address()
+        head = psutil.Process(local.process.pid)
+        tree = [head.pid] + [p.pid for p in head.children(recursive=True)]
+        open(sys.argv[1], "w").write(" ".join(map(str, tree)))
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    driver = subprocess.run([sys.executable, "-c", textwrap.dedent(program), str(pids)], timeout=300)
+    assert driver.returncode == -signal.SIGKILL
+    tree = [int(pid) for pid in pids.read_text().split()]
+    assert len(tree) > 2  # the launched process and Ray's daemons
+    wait_until(lambda: not any(_running(pid) for pid in tree), 60, "the launched Ray to stop")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkeypatch):
+    """Launched for a CPU machine but the run's platform asks for other resources: start_ray
+    stops it and starts its own Ray, as without a launched one."""
+    from rllm_skyrl import runtime
+
+    stopped, inits = [], []
+
+    class Launched:
+        init_args = ray_head.local_init_args(Platform(cuda=False))
+
+    monkeypatch.setattr(ray_head, "launched", lambda: Launched())
+    monkeypatch.setattr(ray_head, "stop", lambda: stopped.append(True))
+    monkeypatch.setattr(ray_head, "require_token", lambda token=None: "token")
+    monkeypatch.setattr(runtime.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: inits.append(kwargs))
+    monkeypatch.setattr(runtime, "runtime_env_for", lambda *a, **k: {})
+    monkeypatch.setattr("rllm_skyrl.registry_actors.start_registry_actors", lambda: None)
+    monkeypatch.setattr(runtime.stop_signals, "after_ray_init", lambda: None)
+    assert runtime.start_ray(None, platform=Platform(cuda=True, flash_attn=True)) is True
+    assert stopped == [True]
+    (init,) = inits
+    assert "address" not in init and "num_gpus" not in init  # its own Ray, with the GPUs Ray finds
+
+
+def test_no_ray_is_launched_where_a_gpu_driver_or_a_cluster_is(monkeypatch):
+    monkeypatch.setattr(ray_head, "launch", lambda init_args: pytest.fail("launched"))
+    monkeypatch.setattr(ray_head.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert ray_head.launch_for_cpu_run() is None
+    monkeypatch.setattr(ray_head.os.path, "exists", lambda path: False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert ray_head.launch_for_cpu_run() is None
