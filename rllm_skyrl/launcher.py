@@ -119,7 +119,7 @@ def run(
     """Train with ``SkyRLBackend`` under the unified trainer; returns the run directory.
 
     Uses this package's trainer (rLLM's call order and types); the backend is the same class
-    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``. On a machine without GPUs, Ray starts
+    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``. On a machine without an NVIDIA driver, Ray starts
     in its own process first (``ray_head``), beside the imports of the trainer and its backend.
     """
     from rllm_skyrl import ray_head
