@@ -17,9 +17,9 @@ the terminal's reach): stopping on one is the driver's to decide.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,8 +28,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 0.5
 STOP_SECONDS = 30.0
@@ -42,7 +40,8 @@ def token_env(token: str) -> dict[str, str]:
 
     Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
     loopback; with Ray's token authentication they refuse anyone without the token, and the
-    Prometheus exporter (the one unauthenticated listener) is not started.
+    raylet's Prometheus exporter is not started. Still open: the dashboard head and the autoscaler
+    monitor serve their metrics unauthenticated on ports 44227 and 44217 when those are free.
     """
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_enable_metrics_collection": "0"}
 
@@ -87,6 +86,7 @@ class LocalRay:
         return self._address
 
     def stop(self) -> None:
+        """Stop Ray and the process; its log goes too once it has exited cleanly."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -94,6 +94,8 @@ class LocalRay:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process.returncode == 0:
+            shutil.rmtree(self.log_file.parent, ignore_errors=True)
 
 
 _launched: LocalRay | None = None
