@@ -1,12 +1,20 @@
-"""A run's local Ray, started in a process of its own at the run's first line.
+"""A run's local Ray: the head node's daemons a run uses, in a process of its own.
 
-``ray.init`` starts Ray's daemons and waits 4-5 s for them (the API server, then the raylet and its
-two Python agents). Called from ``Runtime.start``, that wait came after the driver had imported
-torch and the backend, and meanwhile the second core had nothing to do. ``launch`` starts
-``python -m rllm_skyrl.ray_head`` instead, which runs the same local ``ray.init`` (the resources and
-system config ``runtime.start_ray`` would give it, and this run's token) and prints Ray's address;
-``start_ray`` later connects to it with the run's runtime env. Where the run's platform wants
-another Ray than the one launched, ``start_ray`` stops it and starts its own as before.
+``ray.init`` on a machine without a cluster starts more than a run needs, and waits for it: the
+dashboard head (even with ``include_dashboard=False``, which only trims its modules; ``ray.init``
+waits for its URL), the autoscaler monitor (there is nothing to scale) and the log monitor (it
+forwards worker output to drivers, and ours connect with ``log_to_driver=False``; the logs stay in
+the session's files). On two cores those three took 3-4 core-seconds and held up the start by
+their imports; the dashboard head and the monitor also served Prometheus metrics without
+authentication on every interface (ports 44227 and 44217). ``main`` starts Ray's head ``Node``
+with the same resources and system config ``ray.init`` would give it, but without them, and its
+dashboard agent in Ray's minimal mode (the one a ``ray`` install without ``[default]`` runs: no
+HTTP or metrics servers of its own): the GCS, the raylet and its two agents remain, which is what
+actors, named actors, placement groups and runtime envs need.
+
+``launch`` starts ``python -m rllm_skyrl.ray_head`` (the launcher does so at a run's first line,
+beside the driver's imports; ``runtime.start_ray`` when nothing was launched), which prints the
+GCS address once the node is up; drivers connect to it with the run's token and runtime env.
 
 The process stops Ray when ``stop`` asks it to, or within half a second of the driver's end,
 however it ends: it polls its parent, which survives a SIGKILL where a parent-death signal would
@@ -163,19 +171,56 @@ def stop() -> None:
         local.stop()
 
 
+def start_head(init_args: dict[str, Any]):
+    """Ray's head ``Node`` as ``ray.init(**init_args)`` starts it, without the dashboard head, the
+    autoscaler monitor and the log monitor, and with a minimal dashboard agent; returns the node.
+
+    Ray's own classes and settings (``RayParams.no_monitor``, ``include_log_monitor``); the dashboard
+    head has no setting, so this node's ``start_api_server`` starts nothing, and the agents' minimal
+    mode is Ray's choice where its dashboard dependencies are missing, here made on purpose.
+    """
+    from ray._common.usage import usage_lib
+    from ray._private import services
+    from ray._private import utils as ray_utils
+    from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    class HeadNode(Node):
+        def start_api_server(self, *, include_dashboard, raise_on_failure) -> None:
+            """No dashboard head: nothing of a run's asks it anything."""
+
+    args = dict(init_args)
+    system_config = args.pop("_system_config", {})
+    args.pop("include_dashboard", None)
+    ensure_token_if_auth_enabled(system_config, create_token_if_missing=False)
+    usage_lib.set_usage_stats_enabled_via_env_var(False)  # as ray.init does
+    ray_utils.get_dashboard_dependency_error = lambda: ImportError("minimal dashboard agent")
+    params = RayParams(
+        node_ip_address=services.resolve_ip_for_localhost("127.0.0.1"),
+        include_dashboard=False,
+        no_monitor=True,
+        include_log_monitor=False,
+        _system_config=system_config,
+        **args,
+    )
+    return HeadNode(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
+
+
 def main() -> None:
     """``python -m rllm_skyrl.ray_head INIT_ARGS_JSON PARENT_PID``: run Ray until told or orphaned."""
     init_args, parent = json.loads(sys.argv[1]), int(sys.argv[2])
     stopping = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import ray
-
-    ray.init(_node_ip_address="127.0.0.1", log_to_driver=False, **init_args)
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())  # after ray.init, which sets its own
-    print(ray.get_runtime_context().gcs_address, flush=True)
-    while not stopping.wait(PARENT_POLL_SECONDS) and os.getppid() == parent:
-        pass
-    ray.shutdown()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    node = start_head(init_args)
+    print(node.gcs_address, flush=True)
+    try:
+        while not stopping.wait(PARENT_POLL_SECONDS) and os.getppid() == parent:
+            pass
+    finally:
+        node.destroy_external_storage()
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
 
 
 if __name__ == "__main__":

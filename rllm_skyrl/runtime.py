@@ -74,7 +74,7 @@ def start_ray(
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
     With ``RAY_ADDRESS`` set we join that cluster; otherwise the local Ray launched at the run's
-    first line (``ray_head``) if it has what this run needs, else one started here. The registry
+    first line (``ray_head``) if it has what this run needs, else one launched now. The registry
     actors of SkyRL's loss and estimator functions are started with it (``registry_actors``); the
     workers sync them when they start. ``before_registries`` runs between the two: actors it
     creates get their processes first, and still find the registries, which are named (and so
@@ -101,13 +101,11 @@ def start_ray(
     if joining:
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
-    elif local is not None:  # launched at the run's first line (``ray_head``): connect to it
+    else:
+        local = local or ray_head.launch(init_args)
         ray_head.require_token(local.token)
         address = local.address()
         ray.init(address=address, _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False)
-    else:
-        ray_head.require_token()
-        ray.init(_node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False, **init_args)
 
     stop_signals.after_ray_init()  # from the main thread ray.init installed its own SIGTERM handler
     if before_registries is not None:

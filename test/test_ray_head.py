@@ -20,7 +20,8 @@ from rllm_skyrl.platform import Platform
 def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it():
     """The driver joins the Ray launched at the first line (the same GCS; a Ctrl-C meanwhile is the
     driver's, not the launched process's), its workers get the run's runtime env, a client without
-    the token is refused, and the runtime's stop leaves no process behind."""
+    the token is refused, only the daemons a run uses run, and the runtime's stop leaves no
+    process behind."""
     outcome = run_python("""
         import json, os, signal, subprocess, sys
         import psutil, ray
@@ -46,6 +47,9 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
             "refused": intruder.returncode != 0 and "Auth" in intruder.stderr,
         }
         descendants = psutil.Process(local.process.pid).children(recursive=True)
+        names = {os.path.basename(p.cmdline()[1]) if p.name() == "python" else p.name() for p in descendants}
+        # Ray's workers are named ray::<actor class> or ray::IDLE; its two agents too
+        result["daemons"] = sorted(n for n in names if not n.startswith("ray::") or n.endswith("Agent"))
         ray.shutdown()
         ray_head.stop()
         gone, alive = psutil.wait_procs(descendants, timeout=30)
@@ -58,6 +62,8 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
         "threads": "1",
         "cpus": 8.0,
         "refused": True,
+        # no dashboard head (dashboard.py), autoscaler monitor (monitor.py) or log monitor
+        "daemons": ["gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet"],
         "left": [],
     }
 
@@ -92,16 +98,23 @@ def _running(pid: int) -> bool:
 
 def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkeypatch):
     """Launched for a CPU machine but the run's platform asks for other resources: start_ray
-    stops it and starts its own Ray, as without a launched one."""
+    stops it, launches a Ray with the platform's arguments and connects to that one."""
     from rllm_skyrl import runtime
 
-    stopped, inits = [], []
+    stopped, launches, inits = [], [], []
 
     class Launched:
         init_args = ray_head.local_init_args(Platform(cuda=False))
 
+    class Relaunched:
+        token = "token"
+
+        def address(self):
+            return "10.0.0.2:6379"
+
     monkeypatch.setattr(ray_head, "launched", lambda: Launched())
     monkeypatch.setattr(ray_head, "stop", lambda: stopped.append(True))
+    monkeypatch.setattr(ray_head, "launch", lambda init_args: launches.append(init_args) or Relaunched())
     monkeypatch.setattr(ray_head, "require_token", lambda token=None: "token")
     monkeypatch.setattr(runtime.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: inits.append(kwargs))
@@ -110,8 +123,10 @@ def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkey
     monkeypatch.setattr(runtime.stop_signals, "after_ray_init", lambda: None)
     assert runtime.start_ray(None, platform=Platform(cuda=True, flash_attn=True)) is True
     assert stopped == [True]
+    assert launches == [ray_head.local_init_args(Platform(cuda=True, flash_attn=True))]
+    assert "num_gpus" not in launches[0]  # its own Ray, with the GPUs Ray finds
     (init,) = inits
-    assert "address" not in init and "num_gpus" not in init  # its own Ray, with the GPUs Ray finds
+    assert init["address"] == "10.0.0.2:6379"
 
 
 def test_no_ray_is_launched_where_a_gpu_driver_or_a_cluster_is(monkeypatch):

@@ -53,13 +53,21 @@ PROBE = textwrap.dedent(
             http[item["port"]] = httpx.get(url, timeout=3).status_code
         except httpx.HTTPError:
             pass
+    daemons = {os.path.basename(arg) for child in psutil.Process().children(recursive=True)
+               for arg in child.cmdline()[1:2]}
     servers.stop()
     ray.shutdown()
     refused = "InvalidAuthToken" in intruder.stderr or "Authentication" in intruder.stderr
     print(json.dumps({"worker_mode": worker_mode, "listeners": listeners, "intruder_rc": intruder.returncode,
-                      "intruder_refused": refused, "http": http}))
+                      "intruder_refused": refused, "http": http,
+                      "ray_python_daemons": sorted(daemons)}))
     """
 )
+
+
+# Where Ray 2.57 serves them by default (`ray.dashboard.consts`, `ray.autoscaler._private.constants`).
+DASHBOARD_METRIC_PORT = 44227
+AUTOSCALER_METRIC_PORT = 44217
 
 
 @pytest.mark.slow  # probes every listening port of a live run: about 50 s
@@ -80,5 +88,9 @@ def test_local_ray_and_servers_refuse_strangers(tmp_path):
             name = item["name"]
             ray_process = name in ("raylet", "gcs_server", "python") or name.startswith("ray::")
             assert ray_process, item
-    # Every HTTP listener (Ray's job agent) asks for the token; nothing serves metrics openly.
-    assert report["http"] and all(status == 401 for status in report["http"].values()), report["http"]
+    # Ray's dashboard head and autoscaler monitor are not started (``ray_head``), so nothing serves
+    # metrics openly on their ports, free or not; an HTTP listener of Ray's, if any, asks for the token.
+    ports = {item["port"] for item in report["listeners"]}
+    assert not ports & {DASHBOARD_METRIC_PORT, AUTOSCALER_METRIC_PORT}, report["listeners"]
+    assert all(status == 401 for status in report["http"].values()), report["http"]
+    assert not set(report["ray_python_daemons"]) & {"dashboard.py", "monitor.py", "log_monitor.py"}
