@@ -48,8 +48,8 @@ def token_env(token: str) -> dict[str, str]:
 
     Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
     loopback; with Ray's token authentication they refuse anyone without the token, and the
-    raylet's Prometheus exporter is not started. Still open: the dashboard head and the autoscaler
-    monitor serve their metrics unauthenticated on ports 44227 and 44217 when those are free.
+    raylet's Prometheus exporter is not started (the two daemons that served metrics without
+    authentication are not started at all, see ``start_head``).
     """
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_enable_metrics_collection": "0"}
 
