@@ -124,11 +124,12 @@ def run(
     """
     from rllm_skyrl import ray_head
 
-    ray_head.launch_for_cpu_run()
+    local = ray_head.launch_for_cpu_run()
     try:
         return _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset)
     finally:
-        ray_head.stop()  # the runtime stopped it already, unless the run ended before it started
+        if local is not None:  # the runtime stopped it already, unless the run ended before it started
+            ray_head.stop(local)
 
 
 def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path:

@@ -136,11 +136,12 @@ def launch_for_cpu_run() -> LocalRay | None:
     """At a run's first line: this machine's Ray in its own process, where the run will want it.
 
     Only where no Ray is up or named (``RAY_ADDRESS``), and the machine has no NVIDIA driver, so
-    the platform is CPU without asking torch; elsewhere ``start_ray`` starts Ray as before.
+    the platform is CPU without asking torch; elsewhere ``start_ray`` starts Ray as before. Asks
+    Ray only if this process imported it (importing it to ask takes half a second or more).
     """
-    import ray
-
-    if _launched is not None or ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+    ray = sys.modules.get("ray")
+    connected = ray is not None and ray.is_initialized()
+    if _launched is not None or connected or os.environ.get("RAY_ADDRESS"):
         return None
     if any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS):
         return None
@@ -163,10 +164,12 @@ def launched() -> LocalRay | None:
     return _launched if _launched is not None and _launched.process.poll() is None else None
 
 
-def stop() -> None:
-    """Stop the local Ray this process launched, if any (after ``ray.shutdown``)."""
+def stop(local: LocalRay | None = None) -> None:
+    """Stop ``local``, by default the local Ray this process launched, if any (after ``ray.shutdown``)."""
     global _launched
-    local, _launched = _launched, None
+    local = local or _launched
+    if local is _launched:
+        _launched = None
     if local is not None:
         local.stop()
 

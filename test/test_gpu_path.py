@@ -408,6 +408,7 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
     monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
     monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: False)  # nothing to shut down
+    monkeypatch.setattr(runtime_module.ray_head, "stop", lambda *a: events.append("ray stopped"))
     run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
     runtime = runtime_module.Runtime.start(run, tokenizer="tok")
     assert sorted(events[:2], key=str) == [("imports beside ray", True), "ray"]
@@ -416,6 +417,7 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     (ray_thread,) = ray_threads
     assert ray_thread is not threading.main_thread() and ray_thread.is_alive()
     runtime.shutdown()
+    assert events[-1] == "ray stopped"  # the Ray it started
     ray_thread.join(timeout=10)
     assert not ray_thread.is_alive()
 

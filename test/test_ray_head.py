@@ -136,3 +136,31 @@ def test_no_ray_is_launched_where_a_gpu_driver_or_a_cluster_is(monkeypatch):
     monkeypatch.setattr(ray_head.os.path, "exists", lambda path: False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_head.launch_for_cpu_run() is None
+
+
+def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
+    """A run inside a process whose Ray was launched by someone else (a notebook's, a test suite's
+    shared one) leaves that Ray up when it ends; the one it launched itself goes."""
+    from rllm_skyrl import launcher
+
+    class Launched:
+        def __init__(self):
+            self.stopped = False
+            self.process = subprocess.Popen(["sleep", "60"])  # running, as long as the test needs
+
+        def stop(self):
+            self.stopped = True
+
+    theirs, ours = Launched(), Launched()
+    monkeypatch.setattr(ray_head, "_launched", theirs)
+    monkeypatch.setattr(ray_head, "launch_for_cpu_run", lambda: None)  # Ray is up: nothing launched
+    monkeypatch.setattr(launcher, "_run", lambda *args: "run dir")
+    assert launcher.run(None, "Workflow") == "run dir"
+    assert not theirs.stopped
+
+    monkeypatch.setattr(ray_head, "launch_for_cpu_run", lambda: ours)
+    launcher.run(None, "Workflow")
+    assert ours.stopped and not theirs.stopped
+    assert ray_head.launched() is theirs
+    for launched in (theirs, ours):
+        launched.process.kill()

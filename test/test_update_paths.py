@@ -253,11 +253,12 @@ def _started_parts(before: dict[int, str]) -> list[str]:
 @pytest.fixture
 def ray_ownership(monkeypatch):
     """The backend believes it started Ray (so it must stop it); ``ray.shutdown`` is recorded instead
-    of stopping the shared cluster."""
+    of stopping the shared cluster, and so is the stop of the suite's launched Ray."""
     shutdowns = []
     real_start = runtime.start_ray
     monkeypatch.setattr(runtime, "start_ray", lambda *a, **k: real_start(*a, **k) or True)
     monkeypatch.setattr(ray, "shutdown", lambda *a, **k: shutdowns.append("ray.shutdown"))
+    monkeypatch.setattr(runtime.ray_head, "stop", lambda *a: None)
     return shutdowns
 
 
