@@ -345,7 +345,8 @@ WINDOW_FORWARD = """
             "entropy_gap": (patched[1] - unpatched[1]).abs().max().item(),
             "entropy_shape": list(patched[2]) == list(unpatched[2]),
             "grad_names_equal": sorted(patched[3]) == sorted(unpatched[3]),
-            "grad_gap": max((patched[3][n] - unpatched[3][n]).abs().max().item() for n in patched[3]),
+            "grad_gap": max(((patched[3][n] - unpatched[3][n]).abs().max()
+                             / unpatched[3][n].abs().max()).item() for n in patched[3]),
             "head_positions": [patched[4], unpatched[4]],
         }
 
@@ -372,3 +373,66 @@ def test_response_logits_match_skyrl_forward_and_skip_the_prompt(tiny_model_dir)
     assert outcome["full"]["head_positions"] == [[6], [14]]  # num_actions + 1 positions, not all 14
     assert outcome["lora"]["head_positions"] == [[6], [14]]
     assert outcome["fallback"]["head_positions"] == [[14], [14]]
+
+
+PACKED_FORWARD = """
+    import json, sys, torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    sys.path.insert(0, sys.argv[2])
+    from test_context_packing import GROUPS, grpo_batch
+    from rllm_skyrl import compat
+    compat.apply(["flash_attn_stub"])
+    from skyrl.backends.skyrl_train.workers.model_wrapper import HFModelWrapper
+    original = HFModelWrapper.forward
+    compat.apply(["response_logits"])
+
+    sequences, mask, _ = grpo_batch(GROUPS, num_actions=3)
+    advantages = torch.randn(len(sequences), 1, generator=torch.Generator().manual_seed(2))
+
+    def run(wrapper, forward):
+        rows = []
+        head = wrapper.model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+        wrapper.model.zero_grad(set_to_none=True)
+        logprobs, output = forward(wrapper, sequences, 3, attention_mask=mask, temperature=0.7,
+                                   return_output=True, compute_entropy=True, entropy_requires_grad=True)
+        hook.remove()
+        entropy = output["entropy"][:, -4:-1]
+        loss_mask = mask[:, -3:].float()
+        (-(advantages * logprobs * loss_mask).sum() + 0.1 * (entropy * loss_mask).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in wrapper.model.named_parameters() if p.grad is not None}
+        return logprobs.detach(), entropy.detach(), grads, rows
+
+    def compare(wrapper):
+        packed, unpatched = run(wrapper, HFModelWrapper.forward), run(wrapper, original)
+        return {
+            "logprob_gap": (packed[0] - unpatched[0]).abs().max().item(),
+            "entropy_gap": (packed[1] - unpatched[1]).abs().max().item(),
+            "grad_names_equal": sorted(packed[2]) == sorted(unpatched[2]),
+            "grad_gap": max(((packed[2][n] - unpatched[2][n]).abs().max()
+                             / unpatched[2][n].abs().max()).item() for n in packed[2]),
+            "head_rows": [packed[3], unpatched[3]],
+        }
+
+    load = lambda: AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32,
+                                                        attn_implementation="sdpa")
+    full = HFModelWrapper(load(), use_flash_attention_2=False, bf16=False)
+    lora = HFModelWrapper(get_peft_model(load(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False)),
+                          use_flash_attention_2=False, bf16=False)
+    print(json.dumps({"full": compare(full), "lora": compare(lora)}))
+"""
+
+
+def test_a_prompts_samples_are_computed_as_one_packed_row_with_skyrl_forwards_results(tiny_model_dir):
+    """Through the patched ``HFModelWrapper.forward``: a GRPO batch (3 prompts x 4 samples) runs
+    the model on 4 packed rows instead of 12, with SkyRL's log-probs, entropy and gradients."""
+    from pathlib import Path
+
+    outcome = run_python(PACKED_FORWARD, tiny_model_dir, str(Path(__file__).parent))
+    for case in ("full", "lora"):
+        result = outcome[case]
+        assert result["logprob_gap"] < 1e-5 and result["entropy_gap"] < 1e-5, (case, result)
+        assert result["grad_names_equal"] and result["grad_gap"] < 1e-5, (case, result)
+        assert result["head_rows"] == [[4], [12]], (case, result)

@@ -1,4 +1,4 @@
-"""Compute the policy's logits only where the loss reads them: the response window.
+"""Compute the policy's logits only where the loss reads them, and a shared prompt only once.
 
 SkyRL's ``HFModelWrapper.forward`` runs the LM head, a log-softmax over the whole vocabulary
 and (for the entropy metric) a softmax at every position of every sequence, then keeps the
@@ -7,10 +7,15 @@ vocabulary they are a large share of a training step (SmolLM2-135M, 8 rows of 35
 64 response tokens: 7% of the forward-backward; the tiny quickstart model: 30%).
 
 The patch asks the model for those positions only (transformers' ``logits_to_keep``) and then
-computes the log-probs and the entropy with SkyRL's own functions, exactly as the original does
+computes the log-probs and the entropy with SkyRL's own functions (the log-probs' log-sum-exp
+over chunks of rows rather than row by row, ``_label_logprobs``), exactly as the original does
 on them: the response's log-probs are bit-identical and the entropy's window is the same
 (``test_compat.py`` checks both against the unpatched forward). Outside the window the
 returned entropy is zero, as SkyRL's is at padded positions; SkyRL reads only the window.
+
+Rows whose context before the window is the same (a prompt's samples) are computed as one
+packed row where that pays (``context_packing``): the same logits up to float rounding, so the
+bit-identical claim above holds for batches without shared contexts.
 
 The shortcut applies to the plain path: no sample packing, sequence parallelism, VLM inputs or
 sample-support replay, and a model whose ``forward`` takes ``logits_to_keep``. Everything
@@ -27,9 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rllm_skyrl.compat import context_packing
 from rllm_skyrl.compat.patch import Patch
 
 _WRAPPER = "skyrl.backends.skyrl_train.workers.model_wrapper"
+# Elements per log-sum-exp call (1 MB in fp32): fewer calls than one per row, still in cache.
+LOGSUMEXP_CHUNK = 1 << 18
 
 
 def _takes_logits_to_keep(wrapper: Any) -> bool:
@@ -43,6 +51,38 @@ def _takes_logits_to_keep(wrapper: Any) -> bool:
     return cached
 
 
+def _pairs_per_token(wrapper: Any) -> float | None:
+    """``context_packing.pairs_per_token`` of the wrapped model (None: rows are not packed)."""
+    if not hasattr(wrapper, "_rllm_skyrl_pairs_per_token"):
+        model = wrapper.model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        wrapper._rllm_skyrl_pairs_per_token = context_packing.pairs_per_token(base)
+    return wrapper._rllm_skyrl_pairs_per_token
+
+
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """SkyRL's ``logprobs_from_logits``, with its fallback's log-sum-exp taken over chunks of rows.
+
+    Without flash-attn's CUDA kernel SkyRL takes one ``logsumexp`` per row (to bound memory): over
+    a window of a few positions that is a batch's worth of tiny kernels, forward and backward
+    (the quickstart's 512 rows: 40 ms against 7 ms in chunks). Chunks of ``LOGSUMEXP_CHUNK``
+    elements bound memory the same way (a row larger than that is still taken alone) and give
+    the same values bit for bit: each row's reduction is unchanged.
+    """
+    from skyrl.backends.skyrl_train.utils.torch_utils import (
+        FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE,
+        logprobs_from_logits,
+    )
+
+    if logits.dtype not in (torch.float32, torch.float64) or (
+        FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE and logits.is_cuda
+    ):
+        return logprobs_from_logits(logits, labels, inplace_backward=True)
+    rows = max(1, LOGSUMEXP_CHUNK // logits[0].numel())
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(rows)])
+
+
 def _window_forward(
     wrapper: Any,
     sequences: torch.Tensor,
@@ -53,18 +93,27 @@ def _window_forward(
     compute_entropy: bool,
     entropy_requires_grad: bool,
 ):
-    from skyrl.backends.skyrl_train.utils.torch_utils import logprobs_from_logits
-
     width = int(num_actions) + 1  # the positions SkyRL's forward keeps; the last one predicts nothing
     position_ids = attention_mask.long().cumsum(-1) - 1
     position_ids.masked_fill_(attention_mask == 0, 1)
-    output = wrapper.model(
-        sequences, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=width
+    pairs = _pairs_per_token(wrapper)
+    packed = (
+        context_packing.packed_window_logits(
+            wrapper.model, sequences, attention_mask, position_ids, width, pairs
+        )
+        if pairs is not None
+        else None
     )
-    logits_BKV = output["logits"]
+    if packed is not None:
+        logits_BKV, output = packed
+    else:
+        output = wrapper.model(
+            sequences, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=width
+        )
+        logits_BKV = output["logits"]
     logits_BKV.div_(temperature)
     labels_BK = torch.roll(sequences, shifts=-1, dims=1)[:, -width:]
-    action_log_probs = logprobs_from_logits(logits_BKV, labels_BK, inplace_backward=True)[:, :-1]
+    action_log_probs = _label_logprobs(logits_BKV[:, :-1], labels_BK[:, :-1])
     if compute_entropy:
         entropy_BK = wrapper.chunked_entropy_from_logits_fn(
             logits_BKV,
