@@ -286,8 +286,8 @@ class ModelRegistry:
     def _update_loss_kwargs(self, resolved: ResolvedLoss) -> dict[str, Any]:
         """The loss arguments of a policy update; none when ``resolved`` is the loss the workers hold.
 
-        Given a loss by name, SkyRL's worker looks it up in its function registry (two Ray calls to
-        the registry actor) and merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf,
+        Given a loss by name, SkyRL's worker looks it up in its function registry (a sync with Ray's
+        key-value store) and merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf,
         once per micro-batch: milliseconds of a quickstart step. Without them it computes its
         configured loss (``policy_loss_fn``) with its AlgorithmConfig, which SkyRL's own trainer
         does, and which is the same loss when the name and every override already match.

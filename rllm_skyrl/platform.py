@@ -12,7 +12,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all six |
+| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all eight |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -118,15 +118,18 @@ class Platform:
 
     @property
     def compat_patches(self) -> tuple[str, ...]:
-        """The ``compat`` patch sets SkyRL needs here (applied in the driver and in every worker)."""
-        names = [] if self.flash_attn else ["flash_attn_stub"]
+        """The ``compat`` patch sets SkyRL needs here (in the driver and in every worker, but for
+        ``compat.DRIVER_ONLY`` and ``compat.WORKERS_ONLY``)."""
+        names = ["lazy_imports", "registries_in_gcs"]
+        if not self.flash_attn:
+            names.append("flash_attn_stub")
         if not self.cuda:
             names.append("cpu")
         return (*names, "tied_embeddings", "response_logits", "memory_snapshots", "single_rank_reductions")
 
     def prepare_process(self) -> None:
-        """Make this process able to import and run SkyRL's workers."""
-        compat.apply(self.compat_patches)
+        """Make this process (the driver) able to import and drive SkyRL's workers."""
+        compat.apply(p for p in self.compat_patches if p not in compat.WORKERS_ONLY)
 
     def ray_runtime_env(self) -> dict[str, Any]:
         """Runtime-env entries every Ray worker needs: the same patches (but the driver's own),

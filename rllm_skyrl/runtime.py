@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from rllm_skyrl import ray_head, stop_signals, weight_sync
+from rllm_skyrl import compat, ray_head, stop_signals, weight_sync
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.platform import Platform
 from rllm_skyrl.process_clock import process_started_at
@@ -69,24 +69,18 @@ def start_ray(
     num_cpus: int | None = None,
     platform: Platform | None = None,
     cpu_threads: int | None = None,
-    before_registries: Callable[[], None] | None = None,
+    on_connected: Callable[[], None] | None = None,
 ) -> bool:
     """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
 
     With ``RAY_ADDRESS`` set we join that cluster; otherwise the local Ray launched at the run's
-    first line (``ray_head``) if it has what this run needs, else one launched now. The registry
-    actors of SkyRL's loss and estimator functions are started with it (``registry_actors``); the
-    workers sync them when they start. ``before_registries`` runs between the two: actors it
-    creates get their processes first, and still find the registries, which are named (and so
-    found by name) from their creation on, long before a new process has imported SkyRL.
+    first line (``ray_head``) if it has what this run needs, else one launched now.
+    ``on_connected`` runs as soon as this process is connected. SkyRL's function registries are
+    shared through Ray's key-value store (``compat.registries``), set up before Ray is joined.
     """
     if ray.is_initialized():
         return False
-    # Imported before ray.init: SkyRL registers its built-in functions on import, and with Ray up
-    # that would start SkyRL's own registry actors before ours.
-    import skyrl.backends.skyrl_train.utils.ppo_utils  # noqa: F401
-
-    from rllm_skyrl.registry_actors import start_registry_actors
+    compat.apply(["registries_in_gcs"])  # SkyRL registers its built-ins on import: locally, before Ray
 
     platform = platform or Platform.detect()
     joining = bool(os.environ.get("RAY_ADDRESS"))
@@ -108,9 +102,8 @@ def start_ray(
         ray.init(address=address, _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False)
 
     stop_signals.after_ray_init()  # from the main thread ray.init installed its own SIGTERM handler
-    if before_registries is not None:
-        before_registries()
-    start_registry_actors()
+    if on_connected is not None:
+        on_connected()
     return True
 
 
@@ -149,7 +142,7 @@ class _RayStarter:
 
         try:
             self.started.set_result(
-                start_ray(**start_ray_args, before_registries=run_then if then is not None else None)
+                start_ray(**start_ray_args, on_connected=run_then if then is not None else None)
             )
         except BaseException as error:  # noqa: BLE001
             self.started.set_exception(error)
@@ -252,9 +245,9 @@ class Runtime:
                 with phase("tokenizer"):
                     runtime.tokenizer = load_tokenizer(run.model_path)
             with phase("imports"):
-                # SkyRL's function registries first: imported with Ray up they would start SkyRL's
-                # own registry actors (see ``start_ray``).
-                import skyrl.backends.skyrl_train.utils.ppo_utils  # noqa: F401
+                # SkyRL's function registries first: they register their built-ins on import, and
+                # must be in Ray's key-value store before Ray is joined (see ``start_ray``).
+                compat.apply(["registries_in_gcs"])
 
                 runtime._ray_starter = _RayStarter(
                     then=lambda: start_early(run.skyrl, run.roles),

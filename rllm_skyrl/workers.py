@@ -18,7 +18,6 @@ import ray
 
 from rllm_skyrl import worker_classes
 from rllm_skyrl.platform import Platform
-from rllm_skyrl.registry_actors import sync_skyrl_registries
 from rllm_skyrl.run_config import roles_for
 
 logger = logging.getLogger(__name__)
@@ -140,6 +139,7 @@ class SkyRLWorkers:
         placement_group=None,
         early: dict[str, EarlyActor] | None = None,
     ):
+        from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
         from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
         from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
@@ -178,7 +178,7 @@ class SkyRLWorkers:
                 )
                 actor_types[role].stop_unused()
             self.early_roles = tuple(role for role, actor_type in actor_types.items() if actor_type.adopted)
-            sync_skyrl_registries()  # while the actors' processes start: before they look a loss up
+            sync_registries()  # functions registered here reach the workers before they look one up
             self._init_models(total_training_steps)
         except BaseException:
             for actor_type in actor_types.values():

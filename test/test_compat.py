@@ -14,7 +14,9 @@ from helpers import run_python
 from rllm_skyrl import compat
 from rllm_skyrl.compat import (
     flash_attn,
+    lazy_imports,
     memory_snapshots,
+    registries,
     response_logits,
     single_rank_reductions,
     tied_embeddings,
@@ -24,7 +26,9 @@ from rllm_skyrl.platform import Platform
 
 @pytest.mark.parametrize(
     "patch",
-    flash_attn.PATCHES
+    lazy_imports.PATCHES
+    + registries.PATCHES
+    + flash_attn.PATCHES
     + tied_embeddings.PATCHES
     + response_logits.PATCHES
     + memory_snapshots.PATCHES
@@ -190,15 +194,16 @@ def test_a_single_rank_reduces_without_a_collective_and_to_the_same_values():
     assert outcome["same_tensor"] and outcome["alone"] == 0 and outcome["pair"] == 1
 
 
+FIRST = ("lazy_imports", "registries_in_gcs")
 EVERYWHERE = ("tied_embeddings", "response_logits", "memory_snapshots", "single_rank_reductions")
 
 
 @pytest.mark.parametrize(
     ("platform", "patches"),
     [
-        (Platform(cuda=False), ("flash_attn_stub", "cpu", *EVERYWHERE)),
-        (Platform(cuda=True, flash_attn=False), ("flash_attn_stub", *EVERYWHERE)),
-        (Platform(cuda=True, flash_attn=True), EVERYWHERE),
+        (Platform(cuda=False), (*FIRST, "flash_attn_stub", "cpu", *EVERYWHERE)),
+        (Platform(cuda=True, flash_attn=False), (*FIRST, "flash_attn_stub", *EVERYWHERE)),
+        (Platform(cuda=True, flash_attn=True), (*FIRST, *EVERYWHERE)),
     ],
     ids=["cpu", "cuda-sdpa", "cuda-flash-attn"],
 )
@@ -225,6 +230,110 @@ def test_worker_hook_applies_what_the_driver_listed():
     """
     outcome = run_python(program, env={compat.ENV_VAR: "flash_attn_stub,tied_embeddings"})
     assert outcome == {"stubbed": not flash_attn.available(), "cpu": False, "retie": True}
+
+
+# --------------------------------------------------------------------------- lazy imports
+
+LAZY_IMPORTS = """
+    import json, sys
+    from rllm_skyrl import compat
+    from rllm_skyrl.platform import Platform
+    patches = [p for p in Platform.detect().compat_patches if p not in compat.DRIVER_ONLY]
+    compat.apply(p for p in patches if sys.argv[1] == "lazy" or p != "lazy_imports")
+    import skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker  # noqa: F401
+    executed = {name: sub in sys.modules for name, sub in
+                (("wandb", "wandb.sdk"), ("datasets", "pyarrow"), ("pandas", "pandas.core.frame"))}
+    import datasets, pandas, wandb
+    used = [callable(wandb.init), datasets.Dataset.from_dict({"a": [1]}).num_rows,
+            int(pandas.DataFrame({"a": [2]})["a"].sum())]
+    print(json.dumps({"bound": all(n in sys.modules for n in ("wandb", "datasets", "pandas")),
+                      "executed": executed, "used": used}))
+"""
+
+
+def test_a_worker_imports_skyrls_modules_without_running_wandb_datasets_or_pandas():
+    """The workers' hook defers the three packages SkyRL's worker modules import and never use
+    there; SkyRL still imports them (unpatched, all three run), and each works on first use."""
+    lazy, eager = run_python(LAZY_IMPORTS, "lazy"), run_python(LAZY_IMPORTS, "eager")
+    assert eager["executed"] == {"wandb": True, "datasets": True, "pandas": True}, eager
+    assert lazy["bound"] and lazy["executed"] == {"wandb": False, "datasets": False, "pandas": False}, lazy
+    assert lazy["used"] == eager["used"] == [True, 1, 2]
+
+
+DEFERRED = """
+    import inspect, json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    from rllm_skyrl.compat import lazy_imports
+    lazy_imports.LAZY = ("deferred_pkg", "broken_pkg")
+    lazy_imports.apply()
+    import broken_pkg, deferred_pkg
+    inspect.getmodule(json.dumps)  # scans every module's __file__, as torch does on each operator
+    after_import = os.environ.get("DEFERRED_RAN")
+    import deferred_pkg.sub  # a submodule runs its package first
+    after_submodule = os.environ.get("DEFERRED_RAN")
+    try:
+        broken_pkg.anything
+        broken = "ran"
+    except RuntimeError as error:
+        broken = str(error)
+    print(json.dumps({"after_import": after_import, "after_submodule": after_submodule,
+                      "value": deferred_pkg.sub.VALUE + deferred_pkg.TOP, "broken": broken,
+                      "broken_forgotten": "broken_pkg" not in sys.modules}))
+"""
+
+
+def test_a_deferred_package_runs_on_first_use_as_an_import_would(tmp_path):
+    (tmp_path / "deferred_pkg").mkdir()
+    init = "import os\nos.environ['DEFERRED_RAN'] = '1'\nTOP = 1\n"
+    (tmp_path / "deferred_pkg" / "__init__.py").write_text(init)
+    (tmp_path / "deferred_pkg" / "sub.py").write_text("from deferred_pkg import TOP\nVALUE = TOP + 1\n")
+    (tmp_path / "broken_pkg").mkdir()
+    (tmp_path / "broken_pkg" / "__init__.py").write_text("raise RuntimeError('broken at import')\n")
+    outcome = run_python(DEFERRED, str(tmp_path))
+    assert outcome == {
+        "after_import": None,
+        "after_submodule": "1",
+        "value": 3,
+        "broken": "broken at import",
+        "broken_forgotten": True,
+    }
+
+
+# --------------------------------------------------------------------------- function registries
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_skyrls_function_registries_live_in_rays_key_value_store():
+    """What the driver registers, a Ray worker gets (and the built-ins); no registry actor runs,
+    and what is unregistered is gone from the store."""
+    import ray
+    from ray.experimental import internal_kv
+    from skyrl.backends.skyrl_train.utils.ppo_utils import AdvantageEstimatorRegistry, PolicyLossRegistry
+
+    def stored() -> set[bytes]:
+        return set(internal_kv._internal_kv_list("policy_loss_registry/", namespace=registries.NAMESPACE))
+
+    def probe_loss(*args, **kwargs):
+        return "probe"
+
+    @ray.remote(num_cpus=0)
+    def lookup() -> tuple[str, list[str]]:
+        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+        return PolicyLossRegistry.get("probe_loss")(), PolicyLossRegistry.list_available()
+
+    PolicyLossRegistry.register("probe_loss", probe_loss)
+    try:
+        assert b"policy_loss_registry/probe_loss" in stored()
+        result, available = ray.get(lookup.remote())
+        assert result == "probe" and {"regular", "cross_entropy", "probe_loss"} <= set(available)
+    finally:
+        PolicyLossRegistry.unregister("probe_loss")
+    assert b"policy_loss_registry/probe_loss" not in stored()
+    assert b"policy_loss_registry/regular" in stored()
+    for registry in (PolicyLossRegistry, AdvantageEstimatorRegistry):
+        with pytest.raises(ValueError):
+            ray.get_actor(registry._actor_name)
 
 
 def test_unknown_patch_set_is_refused():

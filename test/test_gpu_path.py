@@ -218,7 +218,10 @@ def test_actor_groups_are_built_as_skyrls_trainer_builds_them(monkeypatch, coloc
     monkeypatch.setattr(worker_dispatch, "WorkerDispatch", dispatch)
     monkeypatch.setattr(workers_module.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(workers_module.ray, "get", lambda refs: refs)
-    monkeypatch.setattr(workers_module, "sync_skyrl_registries", lambda: calls.append(("sync_registries",)))
+    monkeypatch.setattr(
+        "skyrl.backends.skyrl_train.utils.ppo_utils.sync_registries",
+        lambda: calls.append(("sync_registries",)),
+    )
     cfg = make_skyrl_config(
         {
             "trainer.policy.model.path": "m",
@@ -372,10 +375,10 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     ray_threads: list[threading.Thread] = []
     early = {"policy": "early actor"}
 
-    def start_ray(*args, before_registries=None, **kwargs):
+    def start_ray(*args, on_connected=None, **kwargs):
         ray_threads.append(threading.current_thread())
         ray_starting.set()
-        before_registries()
+        on_connected()
         events.append("ray")
         return True
 

@@ -119,7 +119,7 @@ def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkey
     monkeypatch.setattr(runtime.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: inits.append(kwargs))
     monkeypatch.setattr(runtime, "runtime_env_for", lambda *a, **k: {})
-    monkeypatch.setattr("rllm_skyrl.registry_actors.start_registry_actors", lambda: None)
+    monkeypatch.setattr(runtime.compat, "apply", lambda names: None)
     monkeypatch.setattr(runtime.stop_signals, "after_ray_init", lambda: None)
     assert runtime.start_ray(None, platform=Platform(cuda=True, flash_attn=True)) is True
     assert stopped == [True]

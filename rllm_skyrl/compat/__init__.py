@@ -2,6 +2,8 @@
 
 | set | when (``Platform.compat_patches``) | module |
 |---|---|---|
+| ``lazy_imports`` | always, in the workers only | ``lazy_imports`` |
+| ``registries_in_gcs`` | always | ``registries`` |
 | ``flash_attn_stub`` | flash-attn not installed (always on CPU; on CUDA unless added) | ``flash_attn`` |
 | ``cpu`` | no CUDA | ``cpu`` |
 | ``tied_embeddings`` | always | ``tied_embeddings`` |
@@ -13,8 +15,7 @@ The driver calls ``apply(names)``; Ray workers run ``apply_from_env`` as their
 ``worker_process_setup_hook`` and read the same names from ``RLLM_SKYRL_COMPAT``, which the
 driver puts into the runtime env: the decision is made once, by the driver, and no worker asks
 CUDA anything before Ray has assigned it its devices. A patch set's module (which imports torch
-and SkyRL's worker modules) is imported only when that set is applied, so a Ray process that is
-given no set, such as a registry actor (``registry_actors``), starts without them.
+and SkyRL's worker modules) is imported only when that set is applied.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ import importlib
 import os
 from collections.abc import Iterable
 
-# Application order: the stub first, because the other sets import SkyRL's worker modules.
+# Application order: lazy imports before anything imports what they defer; SkyRL's registries
+# before anything imports them; the stub before the sets that import SkyRL's worker modules.
 PATCH_SETS = {
+    "lazy_imports": "rllm_skyrl.compat.lazy_imports",
+    "registries_in_gcs": "rllm_skyrl.compat.registries",
     "flash_attn_stub": "rllm_skyrl.compat.flash_attn",
     "cpu": "rllm_skyrl.compat.cpu",
     "tied_embeddings": "rllm_skyrl.compat.tied_embeddings",
@@ -32,9 +36,10 @@ PATCH_SETS = {
     "memory_snapshots": "rllm_skyrl.compat.memory_snapshots",
     "single_rank_reductions": "rllm_skyrl.compat.single_rank_reductions",
 }
-# Sets that change what only the driver runs (SkyRL's dispatch), kept out of the workers' hook: their
-# modules import SkyRL's function registries, which would call Ray from inside the set-up hook.
+# Sets that change what only the driver runs (SkyRL's dispatch), kept out of the workers' hook.
 DRIVER_ONLY = frozenset({"memory_snapshots"})
+# Sets for the workers only: the driver uses wandb (its tracker) and builds the trainer's data.
+WORKERS_ONLY = frozenset({"lazy_imports"})
 SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
 ENV_VAR = "RLLM_SKYRL_COMPAT"
 

@@ -1,0 +1,101 @@
+"""Packages SkyRL's worker modules import at their top and a training worker never uses: loaded on
+first use instead.
+
+A training worker's start is the longest chain of a run's start-up (Ray, then the worker's
+imports, then its model), and its imports are most of it. Three of them serve nothing a worker
+does: wandb (``skyrl.utils.log``: the tracker lives in the driver), HF ``datasets``
+(``transformers.trainer``, which SkyRL's FSDP strategy imports for one scheduler function;
+``datasets`` brings pyarrow and more, for ``isinstance`` checks in a ``Trainer`` nobody builds)
+and pandas (``skyrl_gym``'s SQL tool, reached through the environment configs of SkyRL's config
+module). With this set, those names are bound to modules whose code runs on the first lookup of
+a name they define (``DeferredModule``): a worker that uses one gets it, complete, at that
+moment. Applied first in the workers' set-up hook, before any SkyRL module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+import types
+
+from rllm_skyrl.compat.patch import Patch
+
+LAZY = ("wandb", "datasets", "pandas")
+
+
+class DeferredModule(types.ModuleType):
+    """A module whose code has not run: the first name looked up that it does not hold runs it.
+
+    The names the import system sets (``__name__``, ``__file__``, ``__spec__``, ...) are there
+    from the start, so code that scans ``sys.modules`` (``inspect.getmodule``, which torch calls
+    whenever it registers an operator) finds them without running the module; ``__path__`` is
+    held back, so importing a submodule runs its package first, as it would without this.
+    """
+
+    def __getattr__(self, name: str):
+        _run(self)
+        return getattr(self, name)
+
+
+def _run(module: types.ModuleType) -> None:
+    spec = module.__spec__
+    with spec.loader_state["lock"]:
+        if type(module) is not DeferredModule:  # another thread ran it meanwhile
+            return
+        module.__class__ = types.ModuleType  # its code sees a plain module, as in an eager import
+        if spec.loader_state["path"] is not None:
+            module.__path__ = spec.loader_state["path"]
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(spec.name, None)  # as a failed import leaves it
+            raise
+
+
+class DeferringLoader(importlib.abc.Loader):
+    """Wraps a package's own loader: the module is created now and runs on first use."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        path = module.__dict__.pop("__path__", None)
+        module.__spec__.loader_state = {"lock": threading.RLock(), "path": path}
+        module.__class__ = DeferredModule
+
+
+class LazyFinder(importlib.abc.MetaPathFinder):
+    """Finds ``LAZY`` packages where Python would, and hands them out with a deferring loader."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in LAZY:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = DeferringLoader(spec.loader)
+        return spec
+
+
+def _load_lazily() -> None:
+    if not any(isinstance(finder, LazyFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, LazyFinder())
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("lazy_wandb", ("skyrl.utils.log", "", "import wandb"), _load_lazily),
+    Patch("lazy_datasets", ("transformers.trainer", "", "import datasets"), _load_lazily),
+    Patch("lazy_pandas", ("skyrl_gym.tools.sql", "", "import pandas as pd"), _load_lazily),
+)
+
+
+def apply() -> None:
+    """Install the finder (idempotent). Packages imported before stay as they are."""
+    for patch in PATCHES:
+        patch.install()
