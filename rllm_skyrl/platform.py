@@ -12,7 +12,7 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
 | SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all eight |
+| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all nine |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -120,7 +120,7 @@ class Platform:
     def compat_patches(self) -> tuple[str, ...]:
         """The ``compat`` patch sets SkyRL needs here (in the driver and in every worker, but for
         ``compat.DRIVER_ONLY`` and ``compat.WORKERS_ONLY``)."""
-        names = ["lazy_imports", "registries_in_gcs"]
+        names = ["package_index", "lazy_imports", "registries_in_gcs"]
         if not self.flash_attn:
             names.append("flash_attn_stub")
         if not self.cuda:

@@ -240,6 +240,7 @@ class Runtime:
         runtime = cls(run, tokenizer)
         phase = runtime._phase
         try:
+            compat.apply(["package_index"])  # before this process imports transformers
             colocated = run.skyrl.trainer.placement.colocate_all
             if colocated and runtime.tokenizer is None:  # SkyRL's vLLM servers start before the workers
                 with phase("tokenizer"):

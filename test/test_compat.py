@@ -16,6 +16,7 @@ from rllm_skyrl.compat import (
     flash_attn,
     lazy_imports,
     memory_snapshots,
+    package_index,
     registries,
     response_logits,
     single_rank_reductions,
@@ -26,7 +27,8 @@ from rllm_skyrl.platform import Platform
 
 @pytest.mark.parametrize(
     "patch",
-    lazy_imports.PATCHES
+    package_index.PATCHES
+    + lazy_imports.PATCHES
     + registries.PATCHES
     + flash_attn.PATCHES
     + tied_embeddings.PATCHES
@@ -194,7 +196,7 @@ def test_a_single_rank_reduces_without_a_collective_and_to_the_same_values():
     assert outcome["same_tensor"] and outcome["alone"] == 0 and outcome["pair"] == 1
 
 
-FIRST = ("lazy_imports", "registries_in_gcs")
+FIRST = ("package_index", "lazy_imports", "registries_in_gcs")
 EVERYWHERE = ("tied_embeddings", "response_logits", "memory_snapshots", "single_rank_reductions")
 
 
@@ -230,6 +232,40 @@ def test_worker_hook_applies_what_the_driver_listed():
     """
     outcome = run_python(program, env={compat.ENV_VAR: "flash_attn_stub,tied_embeddings"})
     assert outcome == {"stubbed": not flash_attn.available(), "cpu": False, "retie": True}
+
+
+# --------------------------------------------------------------------------- package index
+
+
+def test_transformers_package_map_is_built_once_per_environment(tmp_path, monkeypatch):
+    """The same map as Python's; read from its file while the environment is unchanged; built anew
+    (with the new distribution in it) once one is installed."""
+    import importlib.metadata
+    import sys
+
+    monkeypatch.setenv("RLLM_SKYRL_CACHE", str(tmp_path / "cache"))
+    built: list[dict] = []
+
+    def build() -> dict[str, list[str]]:
+        built.append(importlib.metadata.packages_distributions())
+        return built[-1]
+
+    packages_distributions = package_index.cached(build)
+    first = packages_distributions()
+    assert first == built[0] and "torch" in first
+    assert list(package_index.cache_dir().iterdir()) == [
+        package_index.cache_dir() / f"{package_index.environment_key()}.json"
+    ]
+    assert packages_distributions() == first and len(built) == 1
+
+    site = tmp_path / "site"
+    (site / "newpkg-1.0.dist-info").mkdir(parents=True)
+    (site / "newpkg-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: newpkg\nVersion: 1.0\n"
+    )
+    (site / "newpkg-1.0.dist-info" / "top_level.txt").write_text("newpkg\n")
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])
+    assert packages_distributions()["newpkg"] == ["newpkg"] and len(built) == 2
 
 
 # --------------------------------------------------------------------------- lazy imports

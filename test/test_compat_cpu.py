@@ -144,7 +144,7 @@ def test_patches_are_applied_inside_ray_workers():
     result = ray.get(probe.remote())
     # memory_snapshots changes the dispatch, which only the driver runs
     assert result["hook"] == (
-        "lazy_imports,registries_in_gcs,flash_attn_stub,cpu,tied_embeddings,response_logits,single_rank_reductions"
+        "package_index,lazy_imports,registries_in_gcs,flash_attn_stub,cpu,tied_embeddings,response_logits,single_rank_reductions"
     )
     assert result["applied"] and result["response_logits"] and result["reductions"]
     assert result["device"] == "cpu" and result["flash_attn"]

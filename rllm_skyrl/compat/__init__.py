@@ -2,6 +2,7 @@
 
 | set | when (``Platform.compat_patches``) | module |
 |---|---|---|
+| ``package_index`` | always | ``package_index`` |
 | ``lazy_imports`` | always, in the workers only | ``lazy_imports`` |
 | ``registries_in_gcs`` | always | ``registries`` |
 | ``flash_attn_stub`` | flash-attn not installed (always on CPU; on CUDA unless added) | ``flash_attn`` |
@@ -24,9 +25,11 @@ import importlib
 import os
 from collections.abc import Iterable
 
-# Application order: lazy imports before anything imports what they defer; SkyRL's registries
-# before anything imports them; the stub before the sets that import SkyRL's worker modules.
+# Application order: transformers' package map and the lazy imports before anything imports
+# transformers or what they defer; SkyRL's registries before anything imports them; the stub
+# before the sets that import SkyRL's worker modules.
 PATCH_SETS = {
+    "package_index": "rllm_skyrl.compat.package_index",
     "lazy_imports": "rllm_skyrl.compat.lazy_imports",
     "registries_in_gcs": "rllm_skyrl.compat.registries",
     "flash_attn_stub": "rllm_skyrl.compat.flash_attn",

@@ -22,10 +22,14 @@ import signal
 import sys
 import threading
 
-import torch
+from rllm_skyrl.compat import package_index
 
-from rllm_skyrl.inference.middleware import TOKEN_ENV
-from rllm_skyrl.inference.server import InferenceServer, is_loopback
+package_index.apply()  # before transformers is imported (by the server's modules)
+
+import torch  # noqa: E402
+
+from rllm_skyrl.inference.middleware import TOKEN_ENV  # noqa: E402
+from rllm_skyrl.inference.server import InferenceServer, is_loopback  # noqa: E402
 
 PARENT_POLL_SECONDS = 0.5
 FORCED_EXIT_SECONDS = 5.0  # after the parent died: a stop that hangs longer ends the process
