@@ -169,9 +169,9 @@ def _registries_in_the_key_value_store() -> None:
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "registries_in_gcs",
-        (
+        (  # the class's source, read from its file: unchanged once the methods are replaced
             _PPO_UTILS,
-            "BaseFunctionRegistry._get_or_create_actor",
+            "BaseFunctionRegistry",
             "RegistryActor.options(name=cls._actor_name, get_if_exists=True).remote()",
         ),
         _registries_in_the_key_value_store,
