@@ -133,6 +133,9 @@ def run(
 
 
 def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path:
+    from rllm_skyrl import compat
+
+    compat.apply(["package_index", "lazy_imports"])  # before the backend's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
     from rllm_skyrl.run_log import read_metrics
     from rllm_skyrl.secret_masking import mask_process_output

@@ -119,7 +119,7 @@ class Platform:
     @property
     def compat_patches(self) -> tuple[str, ...]:
         """The ``compat`` patch sets SkyRL needs here (in the driver and in every worker, but for
-        ``compat.DRIVER_ONLY`` and ``compat.WORKERS_ONLY``)."""
+        ``compat.DRIVER_ONLY``)."""
         names = ["package_index", "lazy_imports", "registries_in_gcs"]
         if not self.flash_attn:
             names.append("flash_attn_stub")
@@ -129,7 +129,7 @@ class Platform:
 
     def prepare_process(self) -> None:
         """Make this process (the driver) able to import and drive SkyRL's workers."""
-        compat.apply(p for p in self.compat_patches if p not in compat.WORKERS_ONLY)
+        compat.apply(self.compat_patches)
 
     def ray_runtime_env(self) -> dict[str, Any]:
         """Runtime-env entries every Ray worker needs: the same patches (but the driver's own),

@@ -240,7 +240,7 @@ class Runtime:
         runtime = cls(run, tokenizer)
         phase = runtime._phase
         try:
-            compat.apply(["package_index"])  # before this process imports transformers
+            compat.apply(["package_index", "lazy_imports"])  # before transformers and SkyRL's modules
             colocated = run.skyrl.trainer.placement.colocate_all
             if colocated and runtime.tokenizer is None:  # SkyRL's vLLM servers start before the workers
                 with phase("tokenizer"):

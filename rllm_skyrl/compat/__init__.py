@@ -3,7 +3,7 @@
 | set | when (``Platform.compat_patches``) | module |
 |---|---|---|
 | ``package_index`` | always | ``package_index`` |
-| ``lazy_imports`` | always, in the workers only | ``lazy_imports`` |
+| ``lazy_imports`` | always | ``lazy_imports`` |
 | ``registries_in_gcs`` | always | ``registries`` |
 | ``flash_attn_stub`` | flash-attn not installed (always on CPU; on CUDA unless added) | ``flash_attn`` |
 | ``cpu`` | no CUDA | ``cpu`` |
@@ -41,8 +41,6 @@ PATCH_SETS = {
 }
 # Sets that change what only the driver runs (SkyRL's dispatch), kept out of the workers' hook.
 DRIVER_ONLY = frozenset({"memory_snapshots"})
-# Sets for the workers only: the driver uses wandb (its tracker) and builds the trainer's data.
-WORKERS_ONLY = frozenset({"lazy_imports"})
 SETUP_HOOK = "rllm_skyrl.compat.apply_from_env"
 ENV_VAR = "RLLM_SKYRL_COMPAT"
 

@@ -1,15 +1,16 @@
-"""Packages SkyRL's worker modules import at their top and a training worker never uses: loaded on
-first use instead.
+"""Packages SkyRL's modules import at their top and a run mostly never uses: run on first use instead.
 
 A training worker's start is the longest chain of a run's start-up (Ray, then the worker's
-imports, then its model), and its imports are most of it. Three of them serve nothing a worker
-does: wandb (``skyrl.utils.log``: the tracker lives in the driver), HF ``datasets``
+imports, then its model), and its imports are most of it; the driver's imports share the same two
+cores. Three of them serve nothing a worker does, and the driver only sometimes: wandb
+(``skyrl.utils.log``; used by the driver's tracker when it logs to wandb), HF ``datasets``
 (``transformers.trainer``, which SkyRL's FSDP strategy imports for one scheduler function;
 ``datasets`` brings pyarrow and more, for ``isinstance`` checks in a ``Trainer`` nobody builds)
 and pandas (``skyrl_gym``'s SQL tool, reached through the environment configs of SkyRL's config
 module). With this set, those names are bound to modules whose code runs on the first lookup of
-a name they define (``DeferredModule``): a worker that uses one gets it, complete, at that
-moment. Applied first in the workers' set-up hook, before any SkyRL module is imported.
+a name they define (``DeferredModule``): a process that uses one gets it, complete, at that
+moment. Applied before any SkyRL module is imported: first in the workers' set-up hook, at the
+start of a run in the driver.
 """
 
 from __future__ import annotations
