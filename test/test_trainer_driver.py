@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+from helpers import run_python
 from omegaconf import OmegaConf
 
 from rllm_skyrl.run_log import read_metrics
@@ -550,6 +551,22 @@ def test_dataloader_resume_reproduces_the_exact_order(n_rows, batch_size, drop_l
         second = StatefulTaskDataLoader(rows, batch_size, seed=99, drop_last=drop_last)
         second.load_state_dict(state)  # the saved seed wins
         assert head + take(second, 12 - stop) == reference
+
+
+LIST_ROWS = """
+    import json, sys
+    from rllm_skyrl import compat
+    compat.apply(["lazy_imports"])
+    from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader
+    batches = list(StatefulTaskDataLoader([{"id": "a"}, {"id": "b"}], 1, shuffle=False))
+    print(json.dumps({"batches": batches, "pandas_ran": type(sys.modules["pandas"]).__name__ == "module"}))
+"""
+
+
+def test_dataloader_given_a_list_leaves_pandas_unrun():
+    """A run's task rows are usually a list: reading them costs pandas' import (0.7 CPU-s at
+    start-up) only when they are a DataFrame."""
+    assert run_python(LIST_ROWS) == {"batches": [[{"id": "a"}], [{"id": "b"}]], "pandas_ran": False}
 
 
 def test_dataloader_reads_dataframes_and_parquet(tmp_path):

@@ -29,6 +29,8 @@ def load_rows(dataset: Rows | pd.DataFrame | str | Path) -> Rows:
     """
     if isinstance(dataset, str | Path):
         return pq.read_table(dataset).to_pylist()
+    if isinstance(dataset, list | tuple):  # before naming pandas, which runs it (``lazy_imports``)
+        return dataset
     if isinstance(dataset, pd.DataFrame):
         return pa.Table.from_pandas(dataset, preserve_index=False).to_pylist()
     return dataset
