@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+from pathlib import Path
 
 import pytest
 from helpers import run_python
@@ -266,6 +268,56 @@ def test_transformers_package_map_is_built_once_per_environment(tmp_path, monkey
     (site / "newpkg-1.0.dist-info" / "top_level.txt").write_text("newpkg\n")
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
     assert packages_distributions()["newpkg"] == ["newpkg"] and len(built) == 2
+
+
+def test_transformers_model_table_is_built_once_per_environment(tmp_path, monkeypatch):
+    """The table read back from its file equals the one built (frozensets and sets included); a
+    later process reads it instead of building it; other folders are built as before."""
+    import transformers
+    from transformers.utils import import_utils
+
+    monkeypatch.setenv("RLLM_SKYRL_CACHE", str(tmp_path / "cache"))
+    models = Path(transformers.__file__).parent / "models"
+    built: list[tuple] = []
+
+    def define(module_path, prefix=None):
+        built.append((str(module_path), prefix))
+        return import_utils.define_import_structure(module_path, prefix)
+
+    first = package_index.cached_structure(define, models)(models, "models")
+    second_process = package_index.cached_structure(define, models)
+    again = second_process(models, "models")
+    assert again == first and len(built) == 1 and len(first) > 5
+    assert all(isinstance(k, frozenset) for k in again)
+    assert all(isinstance(names, set) for modules in again.values() for names in modules.values())
+    assert any("models.qwen3.modeling_qwen3" in modules for modules in again.values())
+    package = models / "__init__.py"
+    assert second_process(package) == import_utils.define_import_structure(package)
+    assert len(built) == 2  # the package's own call has a file of its own
+    second_process(models / "qwen3")  # one model's folder: not cached
+    assert built[-1] == (str(models / "qwen3"), None) and len(built) == 3
+
+
+MODEL_TABLE = """
+    import json, sys
+    from rllm_skyrl.compat import package_index
+    package_index.apply()
+    import transformers
+    print(json.dumps({"names": sorted(n for n in dir(transformers) if n.startswith("Zz"))}))
+"""
+
+
+def test_transformers_takes_its_model_table_from_the_file(tmp_path):
+    """In a new process the file is what ``from transformers import X`` is resolved from: a name
+    written into it is one transformers offers."""
+    env = {"RLLM_SKYRL_CACHE": str(tmp_path / "cache")}
+    assert run_python(MODEL_TABLE, env=env) == {"names": []}
+    files = list((tmp_path / "cache" / "transformers_import_structure").iterdir())
+    assert [f.name.split("-", 1)[1] for f in files] == ["models-models.json"]
+    rows = json.loads(files[0].read_text())
+    rows[0][1]["models.zz_planted.modeling_zz_planted"] = ["ZzPlantedModel"]
+    files[0].write_text(json.dumps(rows))
+    assert run_python(MODEL_TABLE, env=env) == {"names": ["ZzPlantedModel"]}
 
 
 # --------------------------------------------------------------------------- lazy imports

@@ -1,35 +1,48 @@
-"""transformers' map of import names to distributions, kept in a file per Python environment.
+"""transformers' two import-time indexes, kept in a file per Python environment.
 
-On import, transformers builds the map of every top-level import name to the distributions that
-install it (``importlib.metadata.packages_distributions``), to look package versions up later.
-Python builds it from every installed distribution's file list, checking that each listed file
-exists: about 0.55 CPU-seconds here, in each of a run's processes that import transformers (the
-driver, the training worker, the CPU server), all of them during start-up, and in the training
-worker on the chain that ends at the first step. The map changes only when a distribution is
-installed, upgraded or removed, and each of those creates or removes its metadata directory: with
-this set the map is read from a file named after those directories and their modification times,
-and built by Python's own function (then written atomically) when there is none. A distribution
-not kept in a directory on the path (none in a pip or uv environment) turns the file off.
+On import, transformers builds two tables that depend only on what is installed, in each of a
+run's processes that import it (the driver, the training worker, the CPU server), all of them
+during start-up and in the training worker on the chain that ends at the first step:
+
+- the map of every top-level import name to the distributions that install it
+  (``importlib.metadata.packages_distributions``), to look package versions up later: Python
+  builds it from every installed distribution's file list, checking that each listed file exists
+  (about 0.55 CPU-seconds here);
+- the table of the names each of its ~1,500 model modules exports, from which
+  ``from transformers import X`` is resolved lazily (``define_import_structure``): it reads every
+  one of those files, twice in a process that loads a model (for the package and for
+  ``transformers.models``), about 0.39 s each here.
+
+A distribution's install, upgrade or removal creates or removes its metadata directory: with this
+set each table is read from a file named after those directories and their modification times, and
+built by its own function (then written atomically) when there is none. A distribution not kept in
+a directory on the path (none in a pip or uv environment) turns the files off.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import json
 import os
 import sys
 import tempfile
+import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rllm_skyrl.compat.patch import Patch
 from rllm_skyrl.tiny_model import default_cache_dir
 
+IMPORT_UTILS = "transformers.utils.import_utils"
 
-def cache_dir() -> Path:
-    return default_cache_dir().parent / "packages_distributions"
+
+def cache_dir(table: str = "packages_distributions") -> Path:
+    return default_cache_dir().parent / table
 
 
 def environment_key() -> str | None:
@@ -47,50 +60,150 @@ def environment_key() -> str | None:
     return digest.hexdigest()[:32]
 
 
+def load_or_build[T](
+    file_name: str,
+    table: str,
+    build: Callable[[], T],
+    encode: Callable[[T], Any] = lambda value: value,
+    decode: Callable[[Any], T] = lambda value: value,
+) -> T:
+    """``table``'s value from ``<cache>/<table>/<environment key><file_name>.json``, else built and
+    written there; a read-only home builds it each time, as without this set."""
+    key = environment_key()
+    if key is None:
+        return build()
+    file = cache_dir(table) / f"{key}{file_name}.json"
+    try:
+        return decode(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        pass
+    value = build()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
+            json.dump(encode(value), out)
+        os.replace(out.name, file)
+    except OSError:
+        pass
+    return value
+
+
+# ------------------------------------------------------------------------ the distribution map
+
+
 def cached(build: Callable[[], dict[str, list[str]]]) -> Callable[[], dict[str, list[str]]]:
     @functools.wraps(build)
     def packages_distributions() -> dict[str, list[str]]:
-        key = environment_key()
-        if key is None:
-            return build()
-        file = cache_dir() / f"{key}.json"
-        try:
-            return json.loads(file.read_text())
-        except (OSError, ValueError):
-            pass
-        mapping = build()
-        try:
-            file.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
-                json.dump(mapping, out)
-            os.replace(out.name, file)
-        except OSError:  # a read-only home: the map is built each time, as without this set
-            pass
-        return mapping
+        return load_or_build("", "packages_distributions", build)
 
     packages_distributions._rllm_skyrl_patched = True
     return packages_distributions
 
 
-def _install() -> None:
+def _install_package_map() -> None:
     if not getattr(importlib.metadata.packages_distributions, "_rllm_skyrl_patched", False):
         importlib.metadata.packages_distributions = cached(importlib.metadata.packages_distributions)
+
+
+# ------------------------------------------------------------------------ the model-module table
+
+Structure = dict[frozenset[str], dict[str, set[str]]]
+
+
+def encode_structure(structure: Structure) -> list:
+    """JSON for ``{backends: {module: names}}``: frozensets and sets as sorted lists."""
+    return [
+        [sorted(backends), {module: sorted(names) for module, names in modules.items()}]
+        for backends, modules in structure.items()
+    ]
+
+
+def decode_structure(rows: list) -> Structure:
+    return {
+        frozenset(backends): {module: set(names) for module, names in modules.items()}
+        for backends, modules in rows
+    }
+
+
+def cached_structure(define: Callable[..., Structure], models_dir: Path) -> Callable[..., Structure]:
+    """``define_import_structure`` reading its table for ``models_dir`` (given as the folder or as
+    its ``__init__.py``) from the environment's file; every other folder as before."""
+
+    @functools.lru_cache
+    def define_import_structure(module_path, prefix=None) -> Structure:
+        path = Path(module_path)
+        folder = path.parent if path.name == "__init__.py" else path
+        if folder != models_dir:
+            return define(module_path, prefix)
+        return load_or_build(
+            f"-{path.name}-{prefix}",
+            "transformers_import_structure",
+            lambda: define(module_path, prefix),
+            encode_structure,
+            decode_structure,
+        )
+
+    define_import_structure._rllm_skyrl_patched = True
+    return define_import_structure
+
+
+def _cache_structure(import_utils: types.ModuleType) -> None:
+    define = import_utils.define_import_structure
+    if not getattr(define, "_rllm_skyrl_patched", False):
+        models_dir = Path(import_utils.__file__).parent.parent / "models"
+        import_utils.define_import_structure = cached_structure(define, models_dir)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """transformers' own loader for the module, then the table made cached before anyone binds it
+    (``transformers/__init__.py`` imports the name right after the module runs)."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        _cache_structure(module)
+
+
+class _ImportUtilsFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != IMPORT_UTILS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+def _install_structure_table() -> None:
+    if IMPORT_UTILS in sys.modules:  # later lookups (``transformers.models``) still use the file
+        _cache_structure(sys.modules[IMPORT_UTILS])
+    elif not any(isinstance(finder, _ImportUtilsFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ImportUtilsFinder())
 
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "cached_packages_distributions",
-        (
-            "transformers.utils.import_utils",
-            "",
-            "PACKAGE_DISTRIBUTION_MAPPING = importlib.metadata.packages_distributions()",
-        ),
-        _install,
+        (IMPORT_UTILS, "", "PACKAGE_DISTRIBUTION_MAPPING = importlib.metadata.packages_distributions()"),
+        _install_package_map,
+    ),
+    Patch(
+        "cached_import_structure",
+        (IMPORT_UTILS, "define_import_structure", "create_import_structure_from_path(module_path)"),
+        _install_structure_table,
     ),
 )
 
 
 def apply() -> None:
-    """Install the cached map (idempotent); a process that imported transformers already keeps its own."""
+    """Install both cached tables (idempotent); a process that imported transformers already keeps
+    its own package map and the table it built."""
     for patch in PATCHES:
         patch.install()
