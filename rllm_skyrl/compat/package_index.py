@@ -196,7 +196,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "cached_import_structure",
-        (IMPORT_UTILS, "define_import_structure", "create_import_structure_from_path(module_path)"),
+        # the module's source: a patched process's ``define_import_structure`` is this module's
+        (IMPORT_UTILS, "", "import_structure = create_import_structure_from_path(module_path)"),
         _install_structure_table,
     ),
 )
