@@ -16,11 +16,11 @@ start of a run in the driver.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import types
 
+from rllm_skyrl.compat import import_hooks
 from rllm_skyrl.compat.patch import Patch
 
 LAZY = ("wandb", "datasets", "pandas")
@@ -55,38 +55,15 @@ def _run(module: types.ModuleType) -> None:
             raise
 
 
-class DeferringLoader(importlib.abc.Loader):
-    """Wraps a package's own loader: the module is created now and runs on first use."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__spec__.loader = module.__loader__ = self.loader
-        path = module.__dict__.pop("__path__", None)
-        module.__spec__.loader_state = {"lock": threading.RLock(), "path": path}
-        module.__class__ = DeferredModule
-
-
-class LazyFinder(importlib.abc.MetaPathFinder):
-    """Finds ``LAZY`` packages where Python would, and hands them out with a deferring loader."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in LAZY:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = DeferringLoader(spec.loader)
-        return spec
+def _defer(module: types.ModuleType, loader: importlib.abc.Loader) -> None:
+    """Created now, run on first use (``DeferredModule``)."""
+    path = module.__dict__.pop("__path__", None)
+    module.__spec__.loader_state = {"lock": threading.RLock(), "path": path}
+    module.__class__ = DeferredModule
 
 
 def _load_lazily() -> None:
-    if not any(isinstance(finder, LazyFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, LazyFinder())
+    import_hooks.install(import_hooks.HookFinder("lazy_imports", lambda name: name in LAZY, _defer))
 
 
 PATCHES: tuple[Patch, ...] = (

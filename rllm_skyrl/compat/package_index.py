@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.abc
-import importlib.machinery
 import importlib.metadata
 import json
 import os
@@ -35,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rllm_skyrl.compat import import_hooks
 from rllm_skyrl.compat.patch import Patch
 from rllm_skyrl.tiny_model import default_cache_dir
 
@@ -154,38 +154,20 @@ def _cache_structure(import_utils: types.ModuleType) -> None:
         import_utils.define_import_structure = cached_structure(define, models_dir)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """transformers' own loader for the module, then the table made cached before anyone binds it
+def _run_then_cache(module: types.ModuleType, loader: importlib.abc.Loader) -> None:
+    """transformers' module runs, and its table is made cached before anyone binds the function
     (``transformers/__init__.py`` imports the name right after the module runs)."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__spec__.loader = module.__loader__ = self.loader
-        self.loader.exec_module(module)
-        _cache_structure(module)
-
-
-class _ImportUtilsFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != IMPORT_UTILS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _PatchingLoader(spec.loader)
-        return spec
+    loader.exec_module(module)
+    _cache_structure(module)
 
 
 def _install_structure_table() -> None:
     if IMPORT_UTILS in sys.modules:  # later lookups (``transformers.models``) still use the file
         _cache_structure(sys.modules[IMPORT_UTILS])
-    elif not any(isinstance(finder, _ImportUtilsFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _ImportUtilsFinder())
+    else:
+        import_hooks.install(
+            import_hooks.HookFinder("import_structure", lambda name: name == IMPORT_UTILS, _run_then_cache)
+        )
 
 
 PATCHES: tuple[Patch, ...] = (
