@@ -86,6 +86,11 @@ def termination_reason(output: ModelOutput) -> str | None:
     return MAX_RESPONSE_LENGTH_EXCEEDED if output.finish_reason == "length" else None
 
 
+def _hashed_seed(material: bytes) -> int:
+    """A seed in ``[0, 2**62)``: counting up from it by a request's repeats stays a valid int64."""
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "big") >> 2
+
+
 class SkyRLEngine:
     """rLLM ``RolloutEngine`` semantics on top of ``RemoteInferenceClient``.
 
@@ -100,7 +105,9 @@ class SkyRLEngine:
     seed, the weight version, train/validation, the prompt tokens and how many requests with the
     same prompt came before it at this weight version. Sampling then depends only on what is asked
     and when in training it is asked, not on server RNG state, so a run resumed from a checkpoint
-    samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins.
+    samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins. A
+    prompt's repeats take consecutive seeds, so they still go to the server as one ``sample`` call
+    (``request_batching``).
     """
 
     def __init__(
@@ -304,7 +311,7 @@ class SkyRLEngine:
         while True:
             step_params = {**params, "max_tokens": budget - len(tokens)}
             if tokens and params.get("seed") is not None:  # continuing after an abort: fresh numbers
-                step_params["seed"] = (params["seed"] + len(tokens)) % 2**63
+                step_params["seed"] = _hashed_seed(f"{params['seed']}:{len(tokens)}".encode())
             if params.get("min_tokens"):
                 still_needed = params["min_tokens"] - len(tokens)
                 step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
@@ -367,10 +374,12 @@ class SkyRLEngine:
         return params
 
     def _derive_seed(self, prompt: list[int], validate: bool) -> int:
-        """The ``k``-th request for ``prompt`` at the current weight version gets seed number ``k``.
+        """The ``k``-th request for ``prompt`` at the current weight version gets seed ``base + k``.
 
         Repeats of one task (``rollout.n``) are issued in a fixed order by the workflow engine, so
-        each rollout index maps to the same seed in every run.
+        each rollout index maps to the same seed in every run. Consecutive seeds are what one
+        ``sample`` call for n completions carries (completion i gets seed + i, on vLLM as on this
+        package's server), so seeding does not cost the batching of a prompt's repeats.
         """
         if self._seed_version != self.weight_version:
             self._seed_counts.clear()
@@ -379,8 +388,8 @@ class SkyRLEngine:
         key = (self.weight_version, validate, digest)
         occurrence = self._seed_counts.get(key, 0)
         self._seed_counts[key] = occurrence + 1
-        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:{occurrence}:".encode()
-        return int.from_bytes(hashlib.sha256(material + digest).digest()[:8], "big") >> 1
+        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:".encode()
+        return _hashed_seed(material + digest) + occurrence
 
     def _data_client(self, session_id: Any) -> Any:
         if len(self.data_clients) == 1:

@@ -8,8 +8,11 @@ request, ``num_samples`` completions, no detokenize; vLLM and this package's ser
 sampling parameters and server as one ``sample`` call; every caller gets one completion.
 
 Only what ``sample`` can carry is batched (Tinker's parameters: temperature, top_p, top_k,
-max_tokens, stop strings and token ids) and never a seeded request (each seed must shape its
-own sample): anything else returns ``None`` and the engine sends it alone.
+max_tokens, seed, stop strings and token ids): anything else returns ``None`` and the engine
+sends it alone. Seeded requests share a call when their seeds count up one by one: a call with
+seed ``s`` for n completions samples completion ``i`` with seed ``s + i`` (vLLM's rule for
+``n > 1``, which this package's server and Tinker follow), exactly what each would have got
+alone; a seed out of that sequence starts a call of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _SAMPLE_KEYS = {
     "top_p": "top_p",
     "top_k": "top_k",
     "max_tokens": "max_tokens",
+    "seed": "seed",
     "stop": "stop_strings",
     "stop_token_ids": "stop_tokens",
 }
@@ -39,6 +43,7 @@ MAX_SAMPLES = 128
 
 @dataclass
 class _Pending:
+    key: tuple  # where it waits in ``SampleBatcher._pending``: moves on with each seeded caller
     prompt: list[int]
     params: dict[str, Any]
     timer: asyncio.TimerHandle | None = None
@@ -47,15 +52,12 @@ class _Pending:
 
 def sample_params(params: dict[str, Any]) -> dict[str, Any] | None:
     """The Tinker-style parameters for ``params``, or None when ``sample`` cannot carry them."""
-    if params.get("seed") is not None:
-        return None
     out = {}
     for key, value in params.items():
         if key in _SAMPLE_KEYS:
-            out[_SAMPLE_KEYS[key]] = value
-        elif key == "seed" or value in _NEUTRAL.get(key, ()):
-            continue
-        else:
+            if value is not None:
+                out[_SAMPLE_KEYS[key]] = value
+        elif value not in _NEUTRAL.get(key, ()):
             return None
     return out
 
@@ -77,21 +79,29 @@ class SampleBatcher:
         tinker = sample_params(params)
         if tinker is None:
             return None
-        key = (id(client), tuple(prompt), tuple(sorted((k, repr(v)) for k, v in tinker.items())))
+        seed = tinker.get("seed")
+        shared = tuple(sorted((k, repr(v)) for k, v in tinker.items() if k != "seed"))
+        key = (id(client), tuple(prompt), shared, seed)  # a seeded caller joins where its seed is next
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = self._pending.get(key)
+        pending = self._pending.pop(key, None)
         if pending is None:
-            pending = self._pending[key] = _Pending(list(prompt), tinker)
-            pending.timer = loop.call_later(self.window_s, self._send, key, client)
+            pending = _Pending(key, list(prompt), tinker)
+            pending.timer = loop.call_later(self.window_s, self._send, pending, client)
+        if seed is not None:
+            pending.key = (*key[:3], seed + 1)
+        # Where a call already expects that next seed (this caller repeated one of its seeds), this
+        # call takes no one else and goes at its time.
+        self._pending.setdefault(pending.key, pending)
         pending.waiters.append(future)
         if len(pending.waiters) >= self.max_samples:
             pending.timer.cancel()
-            self._send(key, client)
+            self._send(pending, client)
         return await future
 
-    def _send(self, key: tuple, client: Any) -> None:
-        pending = self._pending.pop(key)
+    def _send(self, pending: _Pending, client: Any) -> None:
+        if self._pending.get(pending.key) is pending:
+            del self._pending[pending.key]
         asyncio.get_running_loop().create_task(self._call(client, pending))
 
     async def _call(self, client: Any, pending: _Pending) -> None:

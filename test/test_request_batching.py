@@ -67,11 +67,34 @@ def test_a_group_is_split_at_the_servers_limit():
 
 @pytest.mark.parametrize(
     "params",
-    [{"seed": 3}, {"min_tokens": 2}, {"logprobs": 5}, {"n": 2}, {"repetition_penalty": 1.1}],
+    [{"min_tokens": 2}, {"logprobs": 5}, {"n": 2}, {"repetition_penalty": 1.1}],
 )
 def test_what_sample_cannot_carry_goes_alone(params):
     assert sample_params(params) is None
     assert gather(SampleBatcher(), RecordingClient(), [(PROMPT, params)]) == [None]
+
+
+def test_consecutive_seeds_share_a_call_that_starts_at_the_first():
+    """Completion i of a call seeded s is sampled with s + i: the callers' own seeds, in order."""
+    client = RecordingClient()
+    seeds = [7, 8, 9, 20, 21, 9, 9]  # a jump starts a new call, and so does a repeated seed
+    out = gather(SampleBatcher(), client, [(PROMPT, {"temperature": 1.0, "seed": s}) for s in seeds])
+    calls = [(c["sampling_params"]["seed"], c["num_samples"]) for c in client.calls]
+    assert sorted(calls) == [(7, 3), (9, 1), (9, 1), (20, 2)]
+    first_seed = {call + 1: seed for call, (seed, _) in enumerate(calls)}
+    # caller -> (its call's first seed + its index in the call) is the caller's own seed
+    assert [first_seed[call] + i for call, i in (tokens for tokens, _, _ in out)] == seeds
+
+
+def test_seeded_and_unseeded_callers_do_not_mix():
+    client = RecordingClient()
+    gather(
+        SampleBatcher(), client, [(PROMPT, {"seed": 1}), (PROMPT, {}), (PROMPT, {"seed": 2}), (PROMPT, {})]
+    )
+    assert sorted((c["sampling_params"].get("seed", -1), c["num_samples"]) for c in client.calls) == [
+        (-1, 2),
+        (1, 2),
+    ]
 
 
 def test_different_parameters_are_different_groups():
@@ -118,3 +141,40 @@ def test_the_engine_batches_against_the_real_server(tiny_model_dir, tiny_tokeniz
     assert engine.batcher.requests_sent == 2
     assert all(0 < len(o.completion_ids) == len(o.logprobs) <= 8 for o in outputs)
     assert len({tuple(o.completion_ids) for o in outputs}) > 100
+
+
+def test_seeded_rollouts_batched_sample_what_each_would_alone(tiny_model_dir, tiny_tokenizer):
+    """With every request seeded (``inference.deterministic_sampling``), a prompt's 40 rollouts are
+    one call to the server, and each gets the completion it gets when sent on its own."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    messages = [{"role": "user", "content": "what is 3?"}]
+
+    def rollouts(server, max_samples: int):
+        engine = SkyRLEngine.from_urls(
+            [server.url],
+            tiny_tokenizer,
+            max_prompt_length=64,
+            max_response_length=6,
+            train_sampling_params={"temperature": 1.0},
+        )
+        engine.request_seed = 5
+        engine.batcher.max_samples = max_samples
+
+        async def main():
+            try:
+                return await asyncio.gather(*(engine.get_model_response(messages) for _ in range(40)))
+            finally:
+                await engine.close()
+
+        return [tuple(o.completion_ids) for o in asyncio.run(main())], engine.batcher.requests_sent
+
+    try:
+        with InferenceServer(tiny_model_dir) as server:
+            batched, batched_calls = rollouts(server, MAX_SAMPLES)
+            alone, alone_calls = rollouts(server, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert (batched_calls, alone_calls) == (1, 40)
+    assert batched == alone
+    assert len(set(batched)) > 20  # and the seeds differ from rollout to rollout

@@ -230,8 +230,10 @@ class BatchSampler:
             logprobs = self._truncate(logprobs)
         cdf = logprobs.exp().cumsum(dim=-1)
         uniform = torch.rand((cdf.shape[0], 1), generator=self.rng)
-        for row in self.seeded:
-            uniform[row] = torch.rand(1, generator=self.generators[row])
+        if self.seeded:  # one assignment: a row at a time costs 8 us each
+            uniform[self.seeded] = torch.cat(
+                [torch.rand(1, generator=self.generators[r]) for r in self.seeded]
+            )[:, None]
         tokens = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
         return tokens.clamp_(max=cdf.shape[-1] - 1)
 
