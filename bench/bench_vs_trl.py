@@ -16,7 +16,14 @@ consecutive records, so weight sync and anything else between steps count); then
 ours / TRL. The load average is sampled with every record: on a shared machine the wall-clock
 figures move with it, the CPU-time figures much less.
 
-    python -m bench.bench_vs_trl [--steps 200] [--until-target] [--trl-python PATH] [--out DIR]
+How many steps a side needs to reach the target depends on its random draws. TRL with one seed is
+reproducible, this package's quickstart is not (its server samples whatever requests arrived
+together). ``--seeds`` runs both sides once per seed, each reproducible from it (this package with
+``inference.deterministic_sampling``), and ends with the steps and wall time to the target seed by
+seed and their medians.
+
+    python -m bench.bench_vs_trl [--steps 200] [--until-target] [--seeds 0 1 2] [--trl-python PATH]
+                                 [--out DIR]
 """
 
 from __future__ import annotations
@@ -114,6 +121,79 @@ def report(trl: dict, ours: dict, window: int, target: float) -> None:
         print(f"{name}: {side['steps']} steps, exit code {side['exit_code']}, load {fmt(low)}..{fmt(high)}")
 
 
+def side_argv(name: str, args: argparse.Namespace, out: Path, seed: int | None) -> tuple[list[str], Path]:
+    """The command of one side and the file its records go to.
+
+    With a ``seed``, both sides are reproducible from it: TRL seeds torch (sampling) and its
+    sampler's shuffle; this package gets it as the shuffle seed and the trainer seed, and seeds
+    every rollout request from it (``inference.deterministic_sampling``). The task rows are the
+    same on both sides whatever the seed.
+    """
+    if name == "trl":
+        records = out / "trl" / "records.jsonl"
+        argv = [
+            args.trl_python,
+            "-m",
+            "bench.trl_grpo",
+            "--model",
+            str(build_tiny_model()),
+            "--records",
+            str(records),
+        ]
+        argv += ["--output-dir", str(out / "trl"), "--steps", str(args.steps)]
+        if seed is not None:
+            argv += ["--seed", str(seed)]
+        if args.trl_threads:
+            argv += ["--threads", str(args.trl_threads)]
+        return argv, records
+    run_dir = out / "ours"
+    argv = [sys.executable, "-m", "examples.simple_math.train"]
+    argv += [
+        f"rllm.trainer.total_batches={args.steps}",
+        "rllm.trainer.test_freq=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    if seed is not None:
+        argv += [
+            f"rllm.data.seed={seed}",
+            f"skyrl.trainer.seed={seed}",
+            "inference.deterministic_sampling=true",
+        ]
+    return argv, run_dir / "metrics.jsonl"
+
+
+def report_seeds(by_seed: dict[int, dict[str, dict]], target: float) -> None:
+    """Per seed and over the seeds: steps and wall time to the target, and their ratio."""
+    print(
+        f"\n{'seed':>6}{'TRL steps':>11}{'ours steps':>12}{'TRL wall':>10}{'ours wall':>11}{'ours/TRL':>10}"
+    )
+    for seed, sides in by_seed.items():
+        trl, ours = sides["trl"], sides["ours"]
+        a, b = trl.get("target_wall_s"), ours.get("target_wall_s")
+        ratio = f"{b / a:.2f}x" if a and b else None
+        print(
+            f"{seed:>6}{fmt(trl.get('target_step')):>11}{fmt(ours.get('target_step')):>12}"
+            f"{fmt(a, 's'):>10}{fmt(b, 's'):>11}{fmt(ratio):>10}"
+        )
+
+    def median(name: str, key: str) -> float | None:
+        values = [sides[name][key] for sides in by_seed.values() if key in sides[name]]
+        return statistics.median(values) if values else None
+
+    ratios = [
+        sides["ours"]["target_wall_s"] / sides["trl"]["target_wall_s"]
+        for sides in by_seed.values()
+        if "target_wall_s" in sides["ours"] and "target_wall_s" in sides["trl"]
+    ]
+    print(
+        f"medians over {len(by_seed)} seeds: steps to {target} TRL {fmt(median('trl', 'target_step'))}, "
+        f"ours {fmt(median('ours', 'target_step'))}; wall TRL {fmt(median('trl', 'target_wall_s'), 's')}, "
+        f"ours {fmt(median('ours', 'target_wall_s'), 's')}; ours/TRL per seed: median "
+        f"{fmt(statistics.median(ratios) if ratios else None)}, {sum(r <= 1.0 for r in ratios)} of "
+        f"{len(ratios)} at most 1.0"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,6 +206,14 @@ def main() -> None:
         action="store_true",
         help="stop each side once its windowed reward reaches the target (saves time on a loaded machine)",
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run both sides once per seed, each reproducible from it, and compare over the seeds "
+        "(default: one run each, TRL with seed 0, this package's rollouts unseeded as in the quickstart)",
+    )
     parser.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="interpreter with trl installed")
     parser.add_argument(
         "--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's, one per core)"
@@ -135,8 +223,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="keep logs and records here")
     args = parser.parse_args()
 
-    out = args.out or Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
-    out.mkdir(parents=True, exist_ok=True)
+    root_out = args.out or Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    root_out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model()  # both sides load it from the cache
     env = os.environ | {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
@@ -146,29 +234,27 @@ def main() -> None:
     follow_args = {"cwd": ROOT, "env": env, "timeout": args.timeout}
     if args.until_target:
         follow_args["stop_when"] = reached
-    print(f"model {model}; records and logs in {out}; load average {os.getloadavg()}")
-    summaries: dict[str, dict] = {name: {"steps": 0, "exit_code": None} for name in ("trl", "ours")}
-    for name in args.sides:
-        if name == "trl":
-            records = out / "trl" / "records.jsonl"
+    print(f"model {model}; records and logs in {root_out}; load average {os.getloadavg()}")
+    by_seed: dict[int, dict[str, dict]] = {}
+    for seed in args.seeds or [None]:
+        out = root_out if seed is None else root_out / f"seed{seed}"
+        summaries: dict[str, dict] = {name: {"steps": 0, "exit_code": None} for name in ("trl", "ours")}
+        for name in args.sides:
+            argv, records = side_argv(name, args, out, seed)
             records.unlink(missing_ok=True)
-            argv = [args.trl_python, "-m", "bench.trl_grpo", "--model", str(model), "--records", str(records)]
-            argv += ["--output-dir", str(out / "trl"), "--steps", str(args.steps)]
-            if args.trl_threads:
-                argv += ["--threads", str(args.trl_threads)]
-        else:
-            run_dir = out / "ours"
-            records = run_dir / "metrics.jsonl"
-            records.unlink(missing_ok=True)
-            argv = [sys.executable, "-m", "examples.simple_math.train"]
-            argv += [f"rllm.trainer.total_batches={args.steps}", "rllm.trainer.test_freq=0"]
-            argv += [f"hydra.run.dir={run_dir}"]
-        print(f"{name}: {' '.join(argv)}", flush=True)
-        side = follow(Side(name), argv, records, **follow_args)
-        summaries[name] = summarize(side, args.window, args.target)
-        print(f"{name}: {len(side.records)} steps, exit code {side.exit_code}, log {side.log}", flush=True)
-    (out / "summary.json").write_text(json.dumps(summaries, indent=1))
-    report(summaries["trl"], summaries["ours"], args.window, args.target)
+            print(f"{name}: {' '.join(argv)}", flush=True)
+            side = follow(Side(name), argv, records, **follow_args)
+            summaries[name] = summarize(side, args.window, args.target)
+            print(
+                f"{name}: {len(side.records)} steps, exit code {side.exit_code}, log {side.log}", flush=True
+            )
+        (out / "summary.json").write_text(json.dumps(summaries, indent=1))
+        if seed is not None:
+            print(f"\n--- seed {seed}")
+            by_seed[seed] = summaries
+        report(summaries["trl"], summaries["ours"], args.window, args.target)
+    if by_seed:
+        report_seeds(by_seed, args.target)
 
 
 if __name__ == "__main__":
