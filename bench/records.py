@@ -60,6 +60,12 @@ def tree_cpu_seconds(root: psutil.Process) -> float:
     return total
 
 
+def _interruptible() -> None:
+    """SIGINT as Python expects it: a shell starts background jobs (``nohup ... &``) with it
+    ignored, their children inherit that, and ``stop_when``'s SIGINT would then go unheard."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def follow(
     side: Side,
     argv: list[str],
@@ -81,7 +87,13 @@ def follow(
     spawned = time.time()
     with side.log.open("w") as log:
         child = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_interruptible,
         )
     root = psutil.Process(child.pid)
     offset, stopping, deadline = 0, False, spawned + timeout
