@@ -16,14 +16,10 @@ consecutive records, so weight sync and anything else between steps count); then
 ours / TRL. The load average is sampled with every record: on a shared machine the wall-clock
 figures move with it, the CPU-time figures much less.
 
-How many steps a side needs to reach the target depends on its random draws. TRL with one seed is
-reproducible, this package's quickstart is not (its server samples whatever requests arrived
-together). ``--seeds`` runs both sides once per seed, each reproducible from it (this package with
-``inference.deterministic_sampling``), and ends with the steps and wall time to the target seed by
-seed and their medians.
-
-    python -m bench.bench_vs_trl [--steps 200] [--until-target] [--seeds 0 1 2] [--trl-python PATH]
-                                 [--out DIR]
+How many steps a side needs to reach the target depends on its random draws; both sides are
+reproducible from their seed (the quickstart seeds every rollout: ``inference.deterministic_sampling``).
+``--seeds`` runs both sides once per seed and ends with the steps and wall time to the target seed
+by seed and their medians.
 """
 
 from __future__ import annotations
@@ -124,10 +120,9 @@ def report(trl: dict, ours: dict, window: int, target: float) -> None:
 def side_argv(name: str, args: argparse.Namespace, out: Path, seed: int | None) -> tuple[list[str], Path]:
     """The command of one side and the file its records go to.
 
-    With a ``seed``, both sides are reproducible from it: TRL seeds torch (sampling) and its
-    sampler's shuffle; this package gets it as the shuffle seed and the trainer seed, and seeds
-    every rollout request from it (``inference.deterministic_sampling``). The task rows are the
-    same on both sides whatever the seed.
+    A ``seed`` goes to TRL (torch's sampling and its sampler's shuffle) and to this package (the
+    shuffle and the trainer seed, from which every rollout request is seeded with
+    ``inference.deterministic_sampling``). The task rows are the same on both sides whatever the seed.
     """
     if name == "trl":
         records = out / "trl" / "records.jsonl"
@@ -212,7 +207,7 @@ def main() -> None:
         nargs="+",
         default=None,
         help="run both sides once per seed, each reproducible from it, and compare over the seeds "
-        "(default: one run each, TRL with seed 0, this package's rollouts unseeded as in the quickstart)",
+        "(default: one run each, as configured: seed 0 on both sides)",
     )
     parser.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="interpreter with trl installed")
     parser.add_argument(

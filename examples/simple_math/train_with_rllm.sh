@@ -25,4 +25,5 @@ exec python -m examples.simple_math.train_with_rllm \
     skyrl.trainer.micro_forward_batch_size_per_gpu=512 \
     rllm.workflow.n_parallel_tasks=512 \
     inference.max_batch_size=512 \
+    inference.deterministic_sampling=true \
     "$@"
