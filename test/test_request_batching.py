@@ -114,67 +114,58 @@ def test_a_short_answer_fails_every_caller_rather_than_guessing():
     assert all(isinstance(o, RuntimeError) and "asked the server for 3 samples, got 2" in str(o) for o in out)
 
 
-def test_the_engine_batches_against_the_real_server(tiny_model_dir, tiny_tokenizer):
-    """200 rollouts of one prompt: two requests to the server (128 + 72), 200 distinct samples."""
+MESSAGES = [{"role": "user", "content": "what is 3?"}]
+
+
+def rollouts(
+    server_url: str, tokenizer, count: int, request_seed: int | None = None, max_samples=MAX_SAMPLES
+):
+    """``count`` concurrent rollouts of one prompt through the engine; the engine is returned for its
+    batcher's count of calls."""
+    engine = SkyRLEngine.from_urls(
+        [server_url],
+        tokenizer,
+        max_prompt_length=64,
+        max_response_length=8,
+        train_sampling_params={"temperature": 1.0},
+    )
+    engine.request_seed = request_seed
+    engine.batcher.max_samples = max_samples
+
+    async def main():
+        try:
+            return await asyncio.gather(*(engine.get_model_response(MESSAGES) for _ in range(count)))
+        finally:
+            await engine.close()
+
+    return asyncio.run(main()), engine
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with InferenceServer(tiny_model_dir) as server:
-            engine = SkyRLEngine.from_urls(
-                [server.url],
-                tiny_tokenizer,
-                max_prompt_length=64,
-                max_response_length=8,
-                train_sampling_params={"temperature": 1.0},
-            )
-            messages = [{"role": "user", "content": "what is 3?"}]
-
-            async def main():
-                try:
-                    return await asyncio.gather(*(engine.get_model_response(messages) for _ in range(200)))
-                finally:
-                    await engine.close()
-
-            outputs = asyncio.run(main())
+            yield server.url
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_engine_batches_against_the_real_server(server_url, tiny_tokenizer):
+    """200 rollouts of one prompt: two requests to the server (128 + 72), 200 distinct samples."""
+    outputs, engine = rollouts(server_url, tiny_tokenizer, 200)
     assert engine.batcher.requests_sent == 2
     assert all(0 < len(o.completion_ids) == len(o.logprobs) <= 8 for o in outputs)
     assert len({tuple(o.completion_ids) for o in outputs}) > 100
 
 
-def test_seeded_rollouts_batched_sample_what_each_would_alone(tiny_model_dir, tiny_tokenizer):
+def test_seeded_rollouts_batched_sample_what_each_would_alone(server_url, tiny_tokenizer):
     """With every request seeded (``inference.deterministic_sampling``), a prompt's 40 rollouts are
     one call to the server, and each gets the completion it gets when sent on its own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    messages = [{"role": "user", "content": "what is 3?"}]
-
-    def rollouts(server, max_samples: int):
-        engine = SkyRLEngine.from_urls(
-            [server.url],
-            tiny_tokenizer,
-            max_prompt_length=64,
-            max_response_length=6,
-            train_sampling_params={"temperature": 1.0},
-        )
-        engine.request_seed = 5
-        engine.batcher.max_samples = max_samples
-
-        async def main():
-            try:
-                return await asyncio.gather(*(engine.get_model_response(messages) for _ in range(40)))
-            finally:
-                await engine.close()
-
-        return [tuple(o.completion_ids) for o in asyncio.run(main())], engine.batcher.requests_sent
-
-    try:
-        with InferenceServer(tiny_model_dir) as server:
-            batched, batched_calls = rollouts(server, MAX_SAMPLES)
-            alone, alone_calls = rollouts(server, 1)
-    finally:
-        torch.set_num_threads(threads)
-    assert (batched_calls, alone_calls) == (1, 40)
-    assert batched == alone
-    assert len(set(batched)) > 20  # and the seeds differ from rollout to rollout
+    batched, batched_engine = rollouts(server_url, tiny_tokenizer, 40, request_seed=5)
+    alone, alone_engine = rollouts(server_url, tiny_tokenizer, 40, request_seed=5, max_samples=1)
+    assert (batched_engine.batcher.requests_sent, alone_engine.batcher.requests_sent) == (1, 40)
+    completions = [tuple(o.completion_ids) for o in batched]
+    assert completions == [tuple(o.completion_ids) for o in alone]
+    assert len(set(completions)) > 20  # and the seeds differ from rollout to rollout
