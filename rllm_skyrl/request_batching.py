@@ -55,7 +55,7 @@ def sample_params(params: dict[str, Any]) -> dict[str, Any] | None:
     out = {}
     for key, value in params.items():
         if key in _SAMPLE_KEYS:
-            if value is not None:
+            if value is not None and not (key == "seed" and value == -1):  # vLLM's -1: unseeded
                 out[_SAMPLE_KEYS[key]] = value
         elif value not in _NEUTRAL.get(key, ()):
             return None

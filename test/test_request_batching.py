@@ -88,13 +88,10 @@ def test_consecutive_seeds_share_a_call_that_starts_at_the_first():
 
 def test_seeded_and_unseeded_callers_do_not_mix():
     client = RecordingClient()
-    gather(
-        SampleBatcher(), client, [(PROMPT, {"seed": 1}), (PROMPT, {}), (PROMPT, {"seed": 2}), (PROMPT, {})]
-    )
-    assert sorted((c["sampling_params"].get("seed", -1), c["num_samples"]) for c in client.calls) == [
-        (-1, 2),
-        (1, 2),
-    ]
+    requests = [(PROMPT, {"seed": 1}), (PROMPT, {}), (PROMPT, {"seed": 2}), (PROMPT, {"seed": -1})]
+    gather(SampleBatcher(), client, requests)  # -1 is vLLM's "unseeded", and the server's
+    calls = {c["sampling_params"].get("seed", "unseeded"): c["num_samples"] for c in client.calls}
+    assert calls == {1: 2, "unseeded": 2} and len(client.calls) == 2
 
 
 def test_different_parameters_are_different_groups():
