@@ -117,7 +117,9 @@ def report(trl: dict, ours: dict, window: int, target: float) -> None:
         print(f"{name}: {side['steps']} steps, exit code {side['exit_code']}, load {fmt(low)}..{fmt(high)}")
 
 
-def side_argv(name: str, args: argparse.Namespace, out: Path, seed: int | None) -> tuple[list[str], Path]:
+def side_argv(
+    name: str, args: argparse.Namespace, model: Path, out: Path, seed: int | None
+) -> tuple[list[str], Path]:
     """The command of one side and the file its records go to.
 
     A ``seed`` goes to TRL (torch's sampling and its sampler's shuffle) and to this package (the
@@ -131,7 +133,7 @@ def side_argv(name: str, args: argparse.Namespace, out: Path, seed: int | None) 
             "-m",
             "bench.trl_grpo",
             "--model",
-            str(build_tiny_model()),
+            str(model),
             "--records",
             str(records),
         ]
@@ -235,7 +237,7 @@ def main() -> None:
         out = root_out if seed is None else root_out / f"seed{seed}"
         summaries: dict[str, dict] = {name: {"steps": 0, "exit_code": None} for name in ("trl", "ours")}
         for name in args.sides:
-            argv, records = side_argv(name, args, out, seed)
+            argv, records = side_argv(name, args, model, out, seed)
             records.unlink(missing_ok=True)
             print(f"{name}: {' '.join(argv)}", flush=True)
             side = follow(Side(name), argv, records, **follow_args)
