@@ -311,6 +311,28 @@ def test_an_idle_server_admits_a_burst_as_one_prefill_but_does_not_wait_out_a_st
     assert first_done is not None and first_done < last_submit, "the first request waited for the stream"
 
 
+def test_a_delivered_request_no_longer_counts_as_running(server, prompts):
+    """A caller may read the stats the moment its result arrives, before the step that finished it
+    ends: by then the request must not be counted as running (or as blocking an adapter unload)."""
+    scheduler = server.service.scheduler
+    seen: list[int] = []
+
+    def on_done(outcome):
+        seen.append(scheduler.num_running)
+
+    # A row that finishes while another keeps decoding, and the last row of a batch.
+    scheduler.submit(
+        [
+            (prompts[0], SamplingParams.from_dict({"max_tokens": 2, "min_tokens": 2}), on_done),
+            (prompts[1], SamplingParams.from_dict({"max_tokens": 6, "min_tokens": 6}), on_done),
+        ]
+    )
+    deadline = time.monotonic() + 30
+    while len(seen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [1, 0], f"running counts seen by the two callbacks: {seen}"
+
+
 def test_256_concurrent_requests_all_complete(server, tiny_tokenizer, prompts):
     many = [prompts[i % len(prompts)] + [5] * (i % 7) for i in range(256)]
 

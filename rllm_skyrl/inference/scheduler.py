@@ -237,8 +237,10 @@ class Scheduler:
         return len(self.running_rows())
 
     def running_rows(self) -> list[_Request]:
+        """Rows still generating. A row's result is delivered (and its caller may read the stats)
+        before the batch drops it at the end of the step, so delivered rows are left out here."""
         batch = self._batch
-        return list(batch.rows) if batch is not None else []
+        return [r for r in batch.rows if not r.done] if batch is not None else []
 
     # ------------------------------------------------------------------ control plane
     def call(self, fn: Callable[[], Any]) -> Future:
