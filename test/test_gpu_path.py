@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import copy
+import gc
 import inspect
 import threading
 from pathlib import Path
@@ -368,8 +369,10 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     """Ray comes up in a thread while this process imports SkyRL's worker modules (the fake
     imports wait for Ray to be starting: run one after the other they would time out), and that
     thread creates the workers' early actors once Ray is up; the CPU servers launch once Ray is up,
-    before the workers, which get the early actors; and the thread that started Ray lives until the
-    runtime stops Ray, because Ray's daemons die with the thread that started them."""
+    before the workers, which get the early actors; what is alive is collected and frozen before
+    the wait for the servers (not at the first step, where it held up the start); and the thread
+    that started Ray lives until the runtime stops Ray, because Ray's daemons die with the thread
+    that started them."""
     events: list = []
     ray_starting = threading.Event()
     ray_threads: list[threading.Thread] = []
@@ -391,7 +394,7 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
 
     class Servers:
         def wait_ready(self):
-            events.append("servers ready")
+            events.append(("servers ready", gc.get_freeze_count() > 10_000))
 
         def stop(self):
             events.append("servers stopped")
@@ -413,9 +416,13 @@ def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkey
     monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: False)  # nothing to shut down
     monkeypatch.setattr(runtime_module.ray_head, "stop", lambda *a: events.append("ray stopped"))
     run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
-    runtime = runtime_module.Runtime.start(run, tokenizer="tok")
+    gc.unfreeze()
+    try:
+        runtime = runtime_module.Runtime.start(run, tokenizer="tok")
+    finally:
+        gc.unfreeze()
     assert sorted(events[:2], key=str) == [("imports beside ray", True), "ray"]
-    assert events[2:] == ["servers", ("workers", True), "servers ready"]
+    assert events[2:] == ["servers", ("workers", True), ("servers ready", True)]
     assert runtime.owns_ray
     (ray_thread,) = ray_threads
     assert ray_thread is not threading.main_thread() and ray_thread.is_alive()
