@@ -28,6 +28,7 @@ the terminal's reach): stopping on one is the driver's to decide.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -42,6 +43,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 0.5
 STOP_SECONDS = 30.0
@@ -246,12 +249,15 @@ def _prompt_registration_wait(services) -> Iterator[None]:
     get_node = services.get_node
 
     def registered_node(gcs_address: str, node_id: str):
-        client, wanted = GcsClient(address=gcs_address), NodeID.from_hex(node_id)
         deadline = time.monotonic() + REGISTRATION_TIMEOUT_SECONDS
-        while wanted not in client.get_all_node_info(timeout=REGISTRATION_TIMEOUT_SECONDS):
-            if time.monotonic() > deadline:
-                break  # Ray's own wait reports it
-            time.sleep(REGISTRATION_POLL_SECONDS)
+        try:
+            client, wanted = GcsClient(address=gcs_address), NodeID.from_hex(node_id)
+            while wanted not in client.get_all_node_info(timeout=REGISTRATION_TIMEOUT_SECONDS):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(REGISTRATION_POLL_SECONDS)
+        except Exception:  # noqa: BLE001  (only a shortcut: Ray's own wait below retries and reports)
+            logger.debug("polling the node table failed", exc_info=True)
         return get_node(gcs_address, node_id)
 
     services.get_node = registered_node

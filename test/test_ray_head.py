@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -115,6 +116,24 @@ def test_the_launched_ray_is_up_without_waiting_for_the_dashboard_agent(tmp_path
     )
     ports = {"metrics_agent_port": "-1", "metrics_export_port": "-1", "dashboard_agent_listen_port": "-1"}
     assert outcome == {"up_before_agent": True, "agent_alive": True, "before": ports, "after": ports}
+
+
+def test_the_node_table_poll_only_shortens_rays_own_wait(monkeypatch):
+    """Where the node table cannot be read, Ray's own registration lookup still runs (and is the
+    one that waits and reports); the lookup is Ray's again afterwards."""
+    import ray._raylet
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("GCS unreachable")
+
+    monkeypatch.setattr(ray._raylet, "GcsClient", unreachable)
+    calls = []
+    services = SimpleNamespace(get_node=lambda address, node_id: calls.append((address, node_id)) or "node")
+    rays_lookup = services.get_node
+    with ray_head._prompt_registration_wait(services):
+        assert services.get_node("127.0.0.1:6379", "ab" * 28) == "node"
+    assert calls == [("127.0.0.1:6379", "ab" * 28)]
+    assert services.get_node is rays_lookup
 
 
 @pytest.mark.slow
