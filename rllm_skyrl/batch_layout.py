@@ -15,7 +15,6 @@ batches are padded with SkyRL's own ``pad_training_input_batch`` (copies of row 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -26,36 +25,34 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch, pad_tr
 PAD_ROW_ID = "<pad>"
 
 
-class Piece(NamedTuple):
-    """A run of a row's response-window tokens: sampled by the model (``trained``) or context.
+class Span(NamedTuple):
+    """Sampled tokens of a row's response window: ``length`` of them from ``column`` (0 is the
+    window's first token). They get ``loss_mask`` 1, their ``logprobs`` and ``advantages`` (one value
+    per token or one for all of them); the window's other tokens are context (observations between
+    turns): ``loss_mask`` 0, logprob and advantage 0."""
 
-    Context pieces (observations between turns) get ``loss_mask`` 0 and logprob/advantage 0.
-    ``advantages`` is one value per token or one value for all of them.
-    """
-
-    ids: np.ndarray
-    trained: bool
+    column: int
+    length: int
     logprobs: np.ndarray | None = None
     advantages: np.ndarray | float | None = None
 
 
-@dataclass(frozen=True)
-class RowSpec:
-    """One row: its prompt, its response window as pieces, and the outcome reward on its last token.
+class RowSpec(NamedTuple):
+    """One row: its ids (prompt, then response window), how many of them are prompt, the trained spans
+    of its window, and the outcome reward on its last token.
 
-    ``tokens``, when given, is the prompt followed by every piece's ids as one array (a merged
-    multi-turn row is its last step's prompt and response), which is copied into the row at once
-    instead of piece by piece.
+    The ids are one array: a merged multi-turn row is its last step's prompt and response, a run of
+    the buffer its ids were read into, copied into the batch at once.
     """
 
-    prompt_ids: np.ndarray
-    pieces: Sequence[Piece]
+    tokens: np.ndarray
+    prompt_length: int
+    trained: Sequence[Span]
     reward: float = 0.0
-    tokens: np.ndarray | None = None
 
     @property
     def response_length(self) -> int:
-        return sum(len(piece.ids) for piece in self.pieces)
+        return len(self.tokens) - self.prompt_length
 
 
 def _trailing_ones(lengths: np.ndarray, width: int) -> np.ndarray:
@@ -80,45 +77,40 @@ def build_rows(
     ``sequences`` (int64) left-padded ``[PAD | prompt | response]`` with its ``attention_mask``;
     ``response_mask``, ``loss_mask``, ``rewards`` and, when asked for, ``rollout_logprobs`` and
     ``advantages`` (float32) right-aligned in ``[B, max_response]``. SkyRL's builder takes one
-    Python list per row and field; this one copies numpy pieces straight into preallocated
-    arrays, which keeps a 2 M-token batch in tens of milliseconds.
+    Python list per row and field; this one copies each row's ids and its spans' values straight
+    into preallocated arrays, which keeps a 2 M-token batch in tens of milliseconds.
     """
     if not rows:
         raise ValueError("no rows to lay out")
-    prompt_lens = np.array([len(row.prompt_ids) for row in rows], dtype=np.int64)
-    response_lens = np.array([row.response_length for row in rows], dtype=np.int64)
-    max_total = int((prompt_lens + response_lens).max())
-    width = int(response_lens.max())
     num_rows = len(rows)
+    totals = np.fromiter((len(row.tokens) for row in rows), dtype=np.int64, count=num_rows)
+    response_lens = totals - np.fromiter((row.prompt_length for row in rows), dtype=np.int64, count=num_rows)
+    max_total = int(totals.max())
+    width = int(response_lens.max())
 
     sequences = np.empty((num_rows, max_total), dtype=np.int64)
     loss_mask = np.zeros((num_rows, width), dtype=np.float32)
     rewards = np.zeros((num_rows, width), dtype=np.float32)
     logprobs_BT = np.zeros((num_rows, width), dtype=np.float32) if logprobs else None
     advantages_BT = np.zeros((num_rows, width), dtype=np.float32) if advantages else None
+    starts, columns = (max_total - totals).tolist(), (width - response_lens).tolist()
     for i, row in enumerate(rows):
-        # Row views: 1-D slice assignment costs half of indexing the 2-D arrays piece by piece.
+        # Row views: 1-D slice assignment costs half of indexing the 2-D arrays span by span.
         sequence, mask = sequences[i], loss_mask[i]
         row_logprobs = logprobs_BT[i] if logprobs_BT is not None else None
         row_advantages = advantages_BT[i] if advantages_BT is not None else None
-        start = max_total - int(prompt_lens[i] + response_lens[i])
-        sequence[:start] = pad_token_id
-        if row.tokens is not None:
-            sequence[start:] = row.tokens
-        else:
-            np.concatenate([row.prompt_ids, *(piece.ids for piece in row.pieces)], out=sequence[start:])
-        column = width - int(response_lens[i])
-        for piece in row.pieces:
-            n = len(piece.ids)
-            if piece.trained:
-                mask[column : column + n] = 1.0
-                if row_logprobs is not None and piece.logprobs is not None:
-                    row_logprobs[column : column + n] = piece.logprobs
-                if row_advantages is not None and piece.advantages is not None:
-                    row_advantages[column : column + n] = piece.advantages
-            column += n
+        sequence[: starts[i]] = pad_token_id
+        sequence[starts[i] :] = row.tokens
+        for span in row.trained:
+            begin = columns[i] + span.column
+            end = begin + span.length
+            mask[begin:end] = 1.0
+            if row_logprobs is not None and span.logprobs is not None:
+                row_logprobs[begin:end] = span.logprobs
+            if row_advantages is not None and span.advantages is not None:
+                row_advantages[begin:end] = span.advantages
     rewards[:, width - 1] = [row.reward for row in rows]
-    attention_mask = _trailing_ones(prompt_lens + response_lens, max_total)
+    attention_mask = _trailing_ones(totals, max_total)
     response_mask = _trailing_ones(response_lens, width)
     out = {
         "sequences": torch.from_numpy(sequences),

@@ -32,18 +32,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from statistics import fmean
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
-from rllm_skyrl.batch_layout import Piece, RowSpec, build_rows, pad_to_multiple
+from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, pad_to_multiple
 from rllm_skyrl.trajectory_checks import (
     BatchReads,
     MalformedTrajectoryError,
-    StepFields,
+    StepRun,
     check_group,
     check_group_id,
     check_trajectory,
@@ -134,63 +134,54 @@ class BatchStats:
         return out
 
 
-class _Turn(NamedTuple):
-    """A checked step; its prompt then response ids are ``ids[start:]`` (a ``Q``-format view)."""
-
-    index: int
-    fields: StepFields
-    ids: memoryview
-    start: int
-
-
 @dataclass
 class _Row:
-    """One training row under construction, begun by its first step: a prompt and its response pieces.
+    """One training row under construction, begun by its first step: a prompt and its response window.
 
-    The row so far is always the last merged step's prompt followed by its response, which is what
-    a continuing step's prompt must start with; ``tail`` is a view of those ids.
+    The row so far is always the last merged step's prompt followed by its response (``last``'s
+    run), which is what a continuing step's prompt must start with. Its window holds each merged
+    step's response (a trained span) after the observation tokens that step's prompt added.
     """
 
     label: str
     group_id: str
-    first: InitVar[_Turn]
+    first_step: int
+    last: StepRun
+    prompt_length: int
+    trained: list[Span] = field(default_factory=list)
     reward: float = 0.0
-    prompt_ids: np.ndarray = field(init=False)
-    first_step: int = field(init=False)
-    pieces: list[Piece] = field(init=False, default_factory=list)
-    model_tokens: int = field(init=False, default=0)
-    last_step: int = field(init=False)
-    length: int = field(init=False)
-    tail: memoryview = field(init=False)
+    model_tokens: int = 0
+    last_step: int = 0
 
-    def __post_init__(self, first: _Turn) -> None:
-        self.prompt_ids, self.first_step = first.fields.prompt_ids, first.index
-        self.length = len(self.prompt_ids)
-        self.append(first)
+    @classmethod
+    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun) -> _Row:
+        row = cls(label, group_id, index, run, run.middle - run.start)
+        row.append(index, run)
+        return row
+
+    @property
+    def length(self) -> int:
+        return self.last.stop - self.last.start
 
     @property
     def response_length(self) -> int:
-        return self.length - len(self.prompt_ids)
+        return self.length - self.prompt_length
 
-    def extended_by(self, turn: _Turn) -> bool:
+    def extended_by(self, run: StepRun) -> bool:
         """Whether the step continues the row (its prompt starts with the row so far): one comparison
         of two views in C, about a nanosecond per id."""
+        last, length = self.last, self.length
         return (
-            len(turn.fields.prompt_ids) >= self.length
-            and turn.ids[turn.start : turn.start + self.length] == self.tail
+            run.middle - run.start >= length
+            and run.view[run.start : run.start + length] == last.view[last.start : last.start + length]
         )
 
-    def append(self, turn: _Turn) -> None:
+    def append(self, index: int, run: StepRun) -> None:
         """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
-        fields = turn.fields
-        observation = fields.prompt_ids[self.length :]
-        if len(observation):
-            self.pieces.append(Piece(observation, trained=False))
-        self.pieces.append(Piece(fields.response_ids, True, fields.logprobs, fields.advantages))
-        self.model_tokens += len(fields.response_ids)
-        self.last_step = turn.index
-        self.length = len(fields.prompt_ids) + len(fields.response_ids)
-        self.tail = turn.ids[turn.start : turn.start + self.length]
+        column = run.middle - run.start - self.prompt_length
+        self.trained.append(Span(column, run.stop - run.middle, run.logprobs, run.advantages))
+        self.model_tokens += run.stop - run.middle
+        self.last, self.last_step = run, index
 
     @property
     def step_span(self) -> str:
@@ -203,7 +194,8 @@ class _Row:
         return f"{self.label} {self.step_span}"
 
     def spec(self) -> RowSpec:
-        return RowSpec(self.prompt_ids, self.pieces, self.reward, np.frombuffer(self.tail, dtype=np.int64))
+        last = self.last
+        return RowSpec(last.ids[last.start : last.stop], self.prompt_length, self.trained, self.reward)
 
 
 def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
@@ -241,24 +233,22 @@ def _trajectory_rows(
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
     lineages = _lineages(label, steps)
-    packed = reads.steps(key, label, steps, scalar, needs_advantages)
+    runs = reads.steps(key, label, steps, scalar, needs_advantages)
     for lineage in lineages:
         row: _Row | None = None
         for index, step in lineage:
-            if packed is not None:
-                turn = _Turn(index, packed.fields[index], packed.ids, packed.starts[index])
+            if runs is not None:
+                run = runs[index]
             else:  # checked step by step, so that the first problem met is the one named
-                fields = step_fields(label, index, step, config, scalar, needs_advantages)
-                ids = np.concatenate([fields.prompt_ids, fields.response_ids])
-                turn = _Turn(index, fields, memoryview(ids).cast("B").cast("Q"), 0)
-            if row is not None and row.extended_by(turn):
-                row.append(turn)
-            elif not len(turn.fields.prompt_ids):
+                run = step_fields(label, index, step, config, scalar, needs_advantages).run()
+            if row is not None and row.extended_by(run):
+                row.append(index, run)
+            elif run.middle == run.start:
                 raise MalformedTrajectoryError(
                     label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                 )
             else:
-                row = _Row(label, group_id, turn)
+                row = _Row.begun_by(label, group_id, index, run)
                 rows.append(row)
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 raise MalformedTrajectoryError(
@@ -397,7 +387,8 @@ def _sft_pair(label: str, example: Any, max_seq_len: int | None, vocab_size: int
             f"{total} tokens, more than max_seq_len={max_seq_len}",
             "truncate the example or raise max_seq_len",
         )
-    return RowSpec(prompt_ids, [Piece(response_ids, trained=True)])
+    tokens = np.concatenate([prompt_ids, response_ids])
+    return RowSpec(tokens, len(prompt_ids), [Span(0, len(response_ids))])
 
 
 def sft_examples_to_batch(

@@ -378,6 +378,21 @@ def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
     return 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
 
 
+class StepRun(NamedTuple):
+    """A checked step, as the merge into rows reads it: its prompt then its response ids are one run
+    ``[start, stop)`` of a buffer (the prompt ``[start, middle)``), seen as ``view`` (format ``Q``, for
+    comparing runs) and as ``ids`` (int64, for copying one into a batch); its logprobs and, when the
+    batch needs them, its advantages (a scalar when one value holds for every token)."""
+
+    view: memoryview
+    ids: np.ndarray
+    start: int
+    middle: int
+    stop: int
+    logprobs: np.ndarray
+    advantages: np.ndarray | float | None
+
+
 class StepFields(NamedTuple):
     """One step's checked arrays; ``advantages`` is a scalar when it is one value for every token."""
 
@@ -385,6 +400,12 @@ class StepFields(NamedTuple):
     response_ids: np.ndarray
     logprobs: np.ndarray
     advantages: np.ndarray | float | None
+
+    def run(self) -> StepRun:
+        """The step as a run of a buffer of its own."""
+        ids = np.concatenate([self.prompt_ids, self.response_ids])
+        view = memoryview(ids).cast("B").cast("Q")
+        return StepRun(view, ids, 0, len(self.prompt_ids), len(ids), self.logprobs, self.advantages)
 
 
 _MISSING = object()
@@ -476,19 +497,6 @@ def _step_advantages(label: str, index: int, step: Any, n_response: int) -> np.n
     return real_scalar(label, index, "advantage", value, remedy)
 
 
-class PackedSteps(NamedTuple):
-    """A trajectory's checked steps, their arrays views of its chunk's two buffers (``BatchReads``).
-
-    ``ids`` holds every step's prompt ids then its response ids (a ``Q``-format view of int64
-    values), step after step; step ``k``'s start at element ``starts[k]``. A step's prompt followed
-    by its response is one run of ``ids``, which is what a continuing step's prompt must start with.
-    """
-
-    fields: list[StepFields]
-    ids: memoryview
-    starts: list[int]
-
-
 class _Span(NamedTuple):
     """Where one trajectory's lists sit in its chunk: ``id_lists[first : first + 2 * steps]``."""
 
@@ -569,11 +577,11 @@ class _Chunk:
 
     def steps(
         self, span: _Span, label: str, steps: Sequence[Any], advantage: float | None, needs_advantages: bool
-    ) -> PackedSteps | None:
+    ) -> list[StepRun] | None:
         if not (self.all_clean or self._clean(span)):
             return None
         bounds, logprob_bounds = self.bounds, self.logprob_bounds
-        fields: list[StepFields] = []
+        runs: list[StepRun] = []
         for k, step in enumerate(steps):
             start, middle, stop = bounds[span.first + 2 * k : span.first + 2 * k + 3]
             if not needs_advantages or advantage is not None:
@@ -585,10 +593,8 @@ class _Chunk:
                     return None
             j = span.first_logprobs + k
             step_logprobs = self.logprobs[logprob_bounds[j] : logprob_bounds[j + 1]]
-            fields.append(
-                StepFields(self.ids[start:middle], self.ids[middle:stop], step_logprobs, advantages)
-            )
-        return PackedSteps(fields, self.view, bounds[span.first : span.first + 2 * span.steps : 2])
+            runs.append(StepRun(self.view, self.ids, start, middle, stop, step_logprobs, advantages))
+        return runs
 
 
 class BatchReads:
@@ -634,8 +640,9 @@ class BatchReads:
 
     def steps(
         self, key: Any, label: str, steps: Sequence[Any], advantage: float | None, needs_advantages: bool
-    ) -> PackedSteps | None:
-        """``step_fields`` of each of ``steps`` (the checked steps of trajectory ``key``), or ``None``."""
+    ) -> list[StepRun] | None:
+        """Each of ``steps`` (the checked steps of trajectory ``key``) as ``step_fields(...).run()``
+        would give it, but a run of the chunk's buffers; or ``None``."""
         while key not in self._spans and self._pending is not None:
             self._read_chunk()
         entry = self._spans.get(key)

@@ -9,73 +9,67 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-from rllm_skyrl.batch_layout import Piece, RowSpec, build_rows, right_aligned
+from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, right_aligned
 
 ids = st.lists(st.integers(0, 2**40), min_size=1, max_size=9)
 reals = st.floats(-1e6, 1e6, allow_subnormal=True, width=64)
 
 
 @st.composite
-def row(draw):
-    """A prompt, then pieces alternating freely between context (observations) and sampled tokens;
-    the row's tokens end to end given or left to ``build_rows`` to gather."""
-    pieces = []
+def row(draw) -> tuple[RowSpec, list[tuple[list[int], bool, list[float], list[float]]]]:
+    """A prompt, then pieces alternating freely between context (observations) and sampled tokens:
+    the row as ``build_rows`` takes it, and its response window per token (ids, trained, logprobs,
+    advantages) as the lists SkyRL's builder takes."""
+    pieces, spans, column = [], [], 0
     for trained in draw(st.lists(st.booleans(), min_size=1, max_size=5)) + [True]:
         tokens = draw(ids)
+        n = len(tokens)
         if not trained:
-            pieces.append(Piece(np.array(tokens, dtype=np.int64), trained=False))
-            continue
-        logprobs = np.array(draw(st.lists(reals, min_size=len(tokens), max_size=len(tokens))))
-        per_token = draw(st.booleans())
-        advantages = np.array(draw(st.lists(reals, min_size=len(tokens), max_size=len(tokens))))
-        pieces.append(
-            Piece(np.array(tokens, dtype=np.int64), True, logprobs, advantages if per_token else draw(reals))
-        )
-    prompt_ids = np.array(draw(ids), dtype=np.int64)
-    tokens = np.concatenate([prompt_ids, *(piece.ids for piece in pieces)]) if draw(st.booleans()) else None
-    return RowSpec(prompt_ids, pieces, draw(reals), tokens)
-
-
-def flat(row_spec: RowSpec, field: str) -> list:
-    """A row's response-window field as the per-token Python list SkyRL's builder takes."""
-    out: list = []
-    for piece in row_spec.pieces:
-        n = len(piece.ids)
-        if field == "ids":
-            out += piece.ids.tolist()
-        elif field == "mask":
-            out += [int(piece.trained)] * n
-        elif not piece.trained:
-            out += [0.0] * n
+            pieces.append((tokens, False, [0.0] * n, [0.0] * n))
         else:
-            value = getattr(piece, field)
-            out += np.broadcast_to(value, (n,)).tolist()
-    return out
+            logprobs = draw(st.lists(reals, min_size=n, max_size=n))
+            per_token = draw(st.lists(reals, min_size=n, max_size=n)) if draw(st.booleans()) else None
+            advantage = per_token if per_token is not None else draw(reals)
+            pieces.append((tokens, True, logprobs, per_token if per_token is not None else [advantage] * n))
+            spans.append(Span(column, n, np.array(logprobs), np.array(advantage) if per_token else advantage))
+        column += n
+    prompt_ids = draw(ids)
+    tokens = np.array(prompt_ids + [t for piece in pieces for t in piece[0]], dtype=np.int64)
+    return RowSpec(tokens, len(prompt_ids), spans, draw(reals)), pieces
+
+
+def window(pieces: list, field: int) -> list:
+    return [
+        value
+        for piece in pieces
+        for value in (piece[field] if field != 1 else [int(piece[1])] * len(piece[0]))
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.lists(row(), min_size=1, max_size=6), pad=st.integers(0, 5))
-def test_rows_match_skyrls_builder_bit_for_bit(rows, pad):
+@given(drawn=st.lists(row(), min_size=1, max_size=6), pad=st.integers(0, 5))
+def test_rows_match_skyrls_builder_bit_for_bit(drawn, pad):
+    rows = [spec for spec, _ in drawn]
     got = build_rows(pad, rows, logprobs=True, advantages=True)
-    responses = [flat(r, "ids") for r in rows]
+    responses = [window(pieces, 0) for _, pieces in drawn]
     rewards = [[0.0] * (len(resp) - 1) + [r.reward] for r, resp in zip(rows, responses, strict=True)]
     expected = convert_prompts_responses_to_batch_tensors(
         pad,
-        [r.prompt_ids.tolist() for r in rows],
+        [r.tokens[: r.prompt_length].tolist() for r in rows],
         responses,
         rewards,
-        [flat(r, "mask") for r in rows],
-        [flat(r, "logprobs") for r in rows],
+        [window(pieces, 1) for _, pieces in drawn],
+        [window(pieces, 2) for _, pieces in drawn],
     )
     names = ["sequences", "attention_mask", "response_mask", "rewards", "loss_mask", "rollout_logprobs"]
     for name, tensor in zip(names, expected[:6], strict=True):
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-    advantages = right_aligned([flat(r, "advantages") for r in rows], got["response_mask"].shape[1])
+    advantages = right_aligned([window(pieces, 3) for _, pieces in drawn], got["response_mask"].shape[1])
     assert torch.equal(got["advantages"], advantages)
 
 
 def test_optional_fields_are_left_out():
-    spec = RowSpec(np.array([1, 2]), [Piece(np.array([3]), trained=True)])
+    spec = RowSpec(np.array([1, 2, 3]), 2, [Span(0, 1)])
     got = build_rows(0, [spec], logprobs=False, advantages=False)
     assert sorted(got) == ["attention_mask", "loss_mask", "response_mask", "rewards", "sequences"]
 
