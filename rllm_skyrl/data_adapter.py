@@ -168,12 +168,16 @@ class _Row:
         return self.length - self.prompt_length
 
     def extended_by(self, run: StepRun) -> bool:
-        """Whether the step continues the row (its prompt starts with the row so far): one comparison
-        of two views in C, about a nanosecond per id."""
+        """Whether the step continues the row (its prompt starts with the row so far).
+
+        Compared as bytes: copying both runs and one ``memcmp`` take 0.6 ns an id, where two
+        memoryviews compare element by element (1.7 ns; a 4-turn batch at a GPU run's shape compares
+        3.8 M ids)."""
         last, length = self.last, self.length
         return (
             run.middle - run.start >= length
-            and run.view[run.start : run.start + length] == last.view[last.start : last.start + length]
+            and run.view[run.start : run.start + length].tobytes()
+            == last.view[last.start : last.start + length].tobytes()
         )
 
     def append(self, index: int, run: StepRun) -> None:
