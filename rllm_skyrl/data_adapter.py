@@ -176,8 +176,8 @@ class _Row:
         last, length = self.last, self.length
         return (
             run.middle - run.start >= length
-            and run.view[run.start : run.start + length].tobytes()
-            == last.view[last.start : last.start + length].tobytes()
+            and run.ids[run.start : run.start + length].tobytes()
+            == last.ids[last.start : last.start + length].tobytes()
         )
 
     def append(self, index: int, run: StepRun) -> None:

@@ -380,11 +380,9 @@ def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
 
 class StepRun(NamedTuple):
     """A checked step, as the merge into rows reads it: its prompt then its response ids are one run
-    ``[start, stop)`` of a buffer (the prompt ``[start, middle)``), seen as ``view`` (format ``Q``, for
-    comparing runs) and as ``ids`` (int64, for copying one into a batch); its logprobs and, when the
-    batch needs them, its advantages (a scalar when one value holds for every token)."""
+    ``[start, stop)`` of an int64 buffer ``ids`` (the prompt ``[start, middle)``); its logprobs and,
+    when the batch needs them, its advantages (a scalar when one value holds for every token)."""
 
-    view: memoryview
     ids: np.ndarray
     start: int
     middle: int
@@ -404,8 +402,7 @@ class StepFields(NamedTuple):
     def run(self) -> StepRun:
         """The step as a run of a buffer of its own."""
         ids = np.concatenate([self.prompt_ids, self.response_ids])
-        view = memoryview(ids).cast("B").cast("Q")
-        return StepRun(view, ids, 0, len(self.prompt_ids), len(ids), self.logprobs, self.advantages)
+        return StepRun(ids, 0, len(self.prompt_ids), len(ids), self.logprobs, self.advantages)
 
 
 _MISSING = object()
@@ -553,7 +550,6 @@ class _Chunk:
         """No more reads: the buffers become arrays, and the whole chunk is checked once."""
         self.ids = np.frombuffer(self.buffer, dtype=np.int64)
         self.logprobs = np.frombuffer(b"".join(self.logprob_parts), dtype=np.float64)
-        self.view = memoryview(self.buffer)
         self.bounds = list(accumulate(map(len, self.id_lists), initial=0))
         self.logprob_bounds = list(accumulate(map(len, self.logprob_lists), initial=0))
         self.all_clean = self._clean(_Span(0, len(self.logprob_lists), 0))
@@ -593,7 +589,7 @@ class _Chunk:
                     return None
             j = span.first_logprobs + k
             step_logprobs = self.logprobs[logprob_bounds[j] : logprob_bounds[j + 1]]
-            runs.append(StepRun(self.view, self.ids, start, middle, stop, step_logprobs, advantages))
+            runs.append(StepRun(self.ids, start, middle, stop, step_logprobs, advantages))
         return runs
 
 
