@@ -41,8 +41,12 @@ def test_ppo_with_critic_learns_and_the_critic_fits(tmp_path):
     rewards = [r["reward/mean"] for r in records]
     assert statistics.mean(rewards[:10]) <= 0.3
     assert statistics.mean(rewards[-10:]) >= 0.8, windows(rewards)
+    # After its peak (the returns vary most while the policy learns) the loss fell far below it.
+    # Not judged on the last window alone: a late dip of the policy's reward makes the returns
+    # vary again, and the loss rightly rises with them (checked against the best constant below).
     value_loss = windows([r["critic/value_loss"] for r in records])
-    assert value_loss[-1] < 0.25 * max(value_loss), value_loss  # it fell far below its peak
+    peak = value_loss.index(max(value_loss))
+    assert min(value_loss[peak:]) < 0.25 * value_loss[peak], value_loss
     # Over the last 20 steps the critic predicts the returns at least as well as the best constant
     # would (each batch's own mean reward; half its variance for a squared-error loss), up to a
     # small slack. This holds whether or not the policy still fails some tasks: once every
