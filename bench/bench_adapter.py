@@ -30,7 +30,7 @@ from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_te
 
 from rllm_skyrl.batch_layout import pad_to_multiple, right_aligned
 from rllm_skyrl.data_adapter import BatchConfig, trajectory_groups_to_batch
-from rllm_skyrl.types import Step, Trajectory, TrajectoryGroup
+from rllm_skyrl.records import Step, Trajectory, TrajectoryGroup
 
 VOCAB = 151_936  # Qwen-sized
 WIDTHS = (6, 12, 10, 17, 12, 10)

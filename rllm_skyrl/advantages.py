@@ -30,7 +30,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
     compute_gae_advantage_return,
 )
 
-from rllm_skyrl.compat import rllm
+from rllm_skyrl import rllm_api
 from rllm_skyrl.run_config.resolve import OUTCOME_ESTIMATORS as ESTIMATORS
 from rllm_skyrl.run_config.resolve import SKYRL_LOSS_REDUCTIONS
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
@@ -244,8 +244,8 @@ def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = No
         return BatchAdvantages(None, False, rewards)
     if run.use_precomputed_advantage or run.async_training:
         return BatchAdvantages(None, True, rewards)
-    if rllm.is_rllm_algorithm_config(algorithm_config):
-        return BatchAdvantages(None, True, {**rllm.rllm_advantages(groups, algorithm_config), **rewards})
+    if rllm_api.is_rllm_algorithm_config(algorithm_config):
+        return BatchAdvantages(None, True, {**rllm_api.rllm_advantages(groups, algorithm_config), **rewards})
     outcome = compute_group_advantages(
         groups, run.estimator, estimator_map=run.estimator_map, norm_by_std=run.norm_adv_by_std
     )

@@ -29,9 +29,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rllm_skyrl import advantages as adv
+from rllm_skyrl import rllm_api
 from rllm_skyrl.batch_layout import stack_rows
 from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, failure_report
-from rllm_skyrl.compat import rllm
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.metrics import StepMetrics
 from rllm_skyrl.policy_update import PolicyUpdate
@@ -138,14 +138,14 @@ class SkyRLBackend:
         """
         self.runtime.servers.check_alive()
         n = self.run.rollout_n_val if is_validation else self.run.rollout_n
-        tasks, task_ids = rllm.task_ids(batch, n)
+        tasks, task_ids = rllm_api.task_ids(batch, n)
         with self.metrics.timed("generate") if not is_validation else nullcontext():
             episodes = await agent_workflow_engine.execute_tasks(
                 tasks, task_ids, is_validation=is_validation, **kwargs
             )
         self.runtime.servers.check_alive()  # a server that died mid-rollout failed those rollouts
         for episode, task in zip(episodes, tasks, strict=True):
-            source = rllm.task_field(task, "data_source")
+            source = rllm_api.task_field(task, "data_source")
             if source is not None and episode is not None:
                 episode.metadata["data_source"] = source
         if not is_validation:

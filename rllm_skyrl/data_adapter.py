@@ -1,7 +1,7 @@
 """Trajectory groups (and SFT pairs) -> SkyRL ``TrainingInputBatch``: where episodes become tensors.
 
 Pure data processing: no Ray, no network, no files. Inputs are read by attribute, so rLLM's
-pydantic types and ``rllm_skyrl.types`` both work:
+pydantic types and ``rllm_skyrl.records`` both work:
 ``TrajectoryGroup(trajectories, group_id="task:role", metadata=[{task_id, rollout_idx}, ...])``,
 ``Trajectory(uid, name=role, steps, reward)``,
 ``Step(prompt_ids, response_ids, logprobs, reward, advantage, metadata)``.

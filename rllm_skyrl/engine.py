@@ -19,10 +19,10 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from rllm_skyrl.compat import rllm
+from rllm_skyrl import rllm_api
+from rllm_skyrl.records import ModelOutput
 from rllm_skyrl.request_batching import SampleBatcher
 from rllm_skyrl.rollout_ledger import RolloutLedger
-from rllm_skyrl.types import ModelOutput
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class SkyRLEngine:
         way), as they do with rLLM's verl engine.
         """
         if self._chat_parser is None:
-            self._chat_parser = rllm.chat_parser(self.tokenizer, disable_thinking=self.disable_thinking)
+            self._chat_parser = rllm_api.chat_parser(self.tokenizer, disable_thinking=self.disable_thinking)
         return self._chat_parser
 
     # ------------------------------------------------------------------ rollouts
@@ -300,7 +300,7 @@ class SkyRLEngine:
         session_id = session_id or application_id
         prompt = list(token_input)
         if enforce and len(prompt) > self.max_prompt_length:
-            raise rllm.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
+            raise rllm_api.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
         params = self._sampling_params(kwargs, validate)
         if self.request_seed is not None and params.get("seed") is None:
             params["seed"] = self._derive_seed(prompt, validate)
@@ -344,7 +344,7 @@ class SkyRLEngine:
     def assemble_model_output(self, token_input: list[int], token_output: TokenOutput) -> ModelOutput:
         text = self.tokenizer.decode(token_output.token_ids, skip_special_tokens=True)
         reasoning, content = _split_reasoning(text)
-        return rllm.model_output_class()(
+        return rllm_api.model_output_class()(
             text=text,
             content=content,
             reasoning=reasoning,
@@ -427,7 +427,7 @@ def _parse_tool_calls(content: str) -> list[Any]:
             arguments = payload.get("arguments", {})
             if isinstance(arguments, str):
                 arguments = json.loads(arguments)
-            calls.append(rllm.tool_call(str(payload["name"]), dict(arguments)))
+            calls.append(rllm_api.tool_call(str(payload["name"]), dict(arguments)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             logger.debug("skipping a malformed tool call: %r", raw)
     return calls

@@ -215,7 +215,7 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
     from skyrl.train.config.config import get_config_as_yaml_str
     from skyrl.train.utils.utils import validate_cfg
 
-    from rllm_skyrl.platform import Platform
+    from rllm_skyrl.hardware import Platform
     from rllm_skyrl.run_config import ConfigError, resolve_run_config
 
     init = (

@@ -156,7 +156,7 @@ def launch_for_cpu_run() -> LocalRay | None:
         return None
     if any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS):
         return None
-    from rllm_skyrl.platform import Platform
+    from rllm_skyrl.hardware import Platform
 
     return launch(local_init_args(Platform(cuda=False)))
 

@@ -22,12 +22,12 @@ from typing import Any
 import ray
 
 from rllm_skyrl import compat, ray_head, stop_signals, weight_sync
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.platform import Platform
 from rllm_skyrl.process_clock import process_started_at
+from rllm_skyrl.rollout_servers import ServerGroup, start_servers
 from rllm_skyrl.run_config import RunConfig
 from rllm_skyrl.secret_masking import is_secret_key
-from rllm_skyrl.servers import ServerGroup, start_servers
 from rllm_skyrl.workers import SkyRLWorkers, start_early, stop_early
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step and
 the field, and saying what to fix; ``data_adapter`` raises it, or drops the trajectory and counts
 it when ``drop_malformed`` is on. Inputs are read by attribute, so rLLM's pydantic types and
-``rllm_skyrl.types`` both work. Nothing is coerced: a value either reaches the tensors as itself
+``rllm_skyrl.records`` both work. Nothing is coerced: a value either reaches the tensors as itself
 (ids as int64, reals rounded to float32 as SkyRL's own builder does) or the trajectory is rejected.
 
 What is accepted (only fields the conversion reads are checked):

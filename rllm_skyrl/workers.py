@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from rllm_skyrl import worker_classes
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import roles_for
 
 logger = logging.getLogger(__name__)

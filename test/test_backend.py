@@ -15,9 +15,9 @@ from helpers import compose_example, compose_unified, run_dirs
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
 from rllm_skyrl.backend import SkyRLBackend
+from rllm_skyrl.records import Episode, Step, Trajectory
 from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.standalone.workflow import SingleTurnWorkflow, Workflow, task_messages
-from rllm_skyrl.types import Episode, Step, Trajectory
 from rllm_skyrl.workers import SkyRLWorkers
 
 

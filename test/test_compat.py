@@ -24,7 +24,7 @@ from rllm_skyrl.compat import (
     single_rank_reductions,
     tied_embeddings,
 )
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_the_stub_reports_flash_attention_absent():
             fused = "importable"
         except ImportError:
             fused = "absent"
-        from rllm_skyrl.platform import Platform
+        from rllm_skyrl.hardware import Platform
         print(json.dumps({
             "transformers_sees_it": is_flash_attn_2_available(),
             "available": flash_attn.available(),
@@ -115,7 +115,7 @@ def test_cuda_without_flash_attn_prepares_sdpa_and_keeps_cuda_untouched():
     program = """
         import json, torch
         from rllm_skyrl.compat import cpu, flash_attn
-        from rllm_skyrl.platform import Platform
+        from rllm_skyrl.hardware import Platform
         platform = Platform(cuda=True, flash_attn=False)
         set_device = torch.cuda.set_device
         platform.prepare_process()
@@ -325,7 +325,7 @@ def test_transformers_takes_its_model_table_from_the_file(tmp_path):
 LAZY_IMPORTS = """
     import json, sys
     from rllm_skyrl import compat
-    from rllm_skyrl.platform import Platform
+    from rllm_skyrl.hardware import Platform
     patches = [p for p in Platform.detect().compat_patches if p not in compat.DRIVER_ONLY]
     compat.apply(p for p in patches if sys.argv[1] == "lazy" or p != "lazy_imports")
     import skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker  # noqa: F401

@@ -17,7 +17,7 @@ import torch
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import cpu, flash_attn
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inert on CUDA machines")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import async_wait_until
 
-from rllm_skyrl.compat import rllm
+from rllm_skyrl import rllm_api as rllm
 from rllm_skyrl.engine import (
     MAX_PROMPT_LENGTH_EXCEEDED,
     MAX_RESPONSE_LENGTH_EXCEEDED,

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from rllm_skyrl import runtime as runtime_module
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.launcher import plan
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.rollout_servers import start_servers
 from rllm_skyrl.run_config import ConfigError
-from rllm_skyrl.servers import start_servers
 from rllm_skyrl.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
 
 REPO = Path(__file__).resolve().parent.parent

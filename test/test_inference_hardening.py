@@ -21,8 +21,8 @@ import torch
 from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 
 from rllm_skyrl.inference import InferenceServer
-from rllm_skyrl.inference.app import build_app
 from rllm_skyrl.inference.checks import shown
+from rllm_skyrl.inference.routes import build_app
 
 TOKEN = "test-token-0123456789abcdefghijklmnop"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -29,12 +29,12 @@ from training_runs import Run, assert_ok, launch, train_env, train_task_ids_by_s
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.engine import SkyRLEngine, policy_model_name
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.rollout_servers import start_cpu_servers
 from rllm_skyrl.run_config import ConfigError, resolve_run_config
 from rllm_skyrl.run_config.lora import matched_modules, module_kinds, targets_for
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.servers import start_cpu_servers
 from rllm_skyrl.workers import SkyRLWorkers
 
 CPU = Platform(cuda=False)

@@ -16,7 +16,7 @@ import pytest
 from helpers import run_python, wait_until
 
 from rllm_skyrl import ray_head
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 
 
 def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it():

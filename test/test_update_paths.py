@@ -25,9 +25,9 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 
 from rllm_skyrl import launcher, runtime
 from rllm_skyrl.backend import SkyRLBackend
+from rllm_skyrl.records import Episode, Step, Trajectory
 from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.standalone.workflow import Workflow, task_messages
-from rllm_skyrl.types import Episode, Step, Trajectory
 from rllm_skyrl.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from training_runs import CONFIG_SECRET, SECRETS, assert_ok
 
+from rllm_skyrl.records import Episode
 from rllm_skyrl.standalone.episodes import validation_metrics
-from rllm_skyrl.types import Episode
 
 N_VAL = 3  # validation.group_size in apps/train_digits.yaml
 VAL_SOURCES = ("digits_a", "digits_b")

@@ -17,7 +17,7 @@ def test_the_table_is_skyrls_instance_methods_sync_and_async():
     program = """
         import inspect, json
         from ray._private.inspect_util import is_function_or_method
-        from rllm_skyrl.platform import Platform
+        from rllm_skyrl.hardware import Platform
         from rllm_skyrl.worker_classes import SKYRL_CLASSES, skyrl_class
         Platform.detect().prepare_process()
         found = {}
@@ -59,7 +59,7 @@ def test_the_driver_builds_the_classes_without_skyrl_and_a_worker_unpickles_skyr
         """
         import base64, inspect, json, sys
         from ray import cloudpickle
-        from rllm_skyrl.platform import Platform
+        from rllm_skyrl.hardware import Platform
         Platform.detect().prepare_process()  # as the workers' set-up hook does
         from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import FSDPPolicyWorkerBase
         from rllm_skyrl.worker_classes import METHODS

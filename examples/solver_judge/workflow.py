@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 from examples.simple_math.task import reward_fn
+from rllm_skyrl.records import Episode, Step, TerminationReason, Trajectory
 from rllm_skyrl.standalone.workflow import Workflow, task_messages
-from rllm_skyrl.types import Episode, Step, TerminationReason, Trajectory
 
 _NUMBER = re.compile(r"\d+")
 

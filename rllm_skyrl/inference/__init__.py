@@ -13,8 +13,8 @@ import importlib
 
 _EXPORTS = {
     "GenerationResult": "scheduler",
-    "InferenceServer": "server",
-    "InferenceService": "service",
+    "InferenceServer": "http_server",
+    "InferenceService": "served_model",
     "SamplingParams": "sampling",
 }
 __all__ = sorted(_EXPORTS)

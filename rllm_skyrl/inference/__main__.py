@@ -28,8 +28,8 @@ package_index.apply()  # before transformers is imported (by the server's module
 
 import torch  # noqa: E402
 
+from rllm_skyrl.inference.http_server import InferenceServer, is_loopback  # noqa: E402
 from rllm_skyrl.inference.middleware import TOKEN_ENV  # noqa: E402
-from rllm_skyrl.inference.server import InferenceServer, is_loopback  # noqa: E402
 
 PARENT_POLL_SECONDS = 0.5
 FORCED_EXIT_SECONDS = 5.0  # after the parent died: a stop that hangs longer ends the process

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import losses
 from rllm_skyrl.errors import UserFacingError
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.aliases import apply_aliases
 from rllm_skyrl.run_config.lora import LoraSettings, resolve_lora

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rllm_skyrl.platform import Platform
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config.tree import flatten
 
 

@@ -4,6 +4,14 @@ Names and call order match rLLM's unified trainer, so the same backend and workf
 under either; a test records both call sequences and compares them.
 """
 
+from rllm_skyrl.records import (
+    Episode,
+    ModelOutput,
+    Step,
+    TerminationReason,
+    Trajectory,
+    TrajectoryGroup,
+)
 from rllm_skyrl.standalone.config import (
     AlgorithmConfig,
     CompactFilteringConfig,
@@ -24,14 +32,6 @@ from rllm_skyrl.standalone.workflow import (
     WorkflowEngine,
     repeat_tasks,
     task_messages,
-)
-from rllm_skyrl.types import (
-    Episode,
-    ModelOutput,
-    Step,
-    TerminationReason,
-    Trajectory,
-    TrajectoryGroup,
 )
 
 __all__ = [

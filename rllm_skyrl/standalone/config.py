@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm_skyrl.types import DEFAULT_TRAJECTORY_NAME, TerminationReason, termination_value
+from rllm_skyrl.records import DEFAULT_TRAJECTORY_NAME, TerminationReason, termination_value
 
 
 def _section(config: DictConfig | None) -> dict[str, Any]:

@@ -12,8 +12,14 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from rllm_skyrl.records import (
+    Episode,
+    TerminationReason,
+    Trajectory,
+    TrajectoryGroup,
+    termination_value,
+)
 from rllm_skyrl.standalone.config import CompactFilteringConfig, TransformConfig
-from rllm_skyrl.types import Episode, TerminationReason, Trajectory, TrajectoryGroup, termination_value
 
 logger = logging.getLogger(__name__)
 

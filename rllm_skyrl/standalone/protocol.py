@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
+    from rllm_skyrl.records import Episode
     from rllm_skyrl.standalone.config import AlgorithmConfig
     from rllm_skyrl.standalone.rollout_engine import RolloutEngine
     from rllm_skyrl.standalone.state import TrainerState
     from rllm_skyrl.standalone.workflow import WorkflowEngine
-    from rllm_skyrl.types import Episode
 
 
 class BackendProtocol[TDataset: Iterable, TBatch](ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rllm_skyrl.types import ModelOutput
+from rllm_skyrl.records import ModelOutput
 
 
 class RolloutEngine:

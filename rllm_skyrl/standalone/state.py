@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rllm_skyrl.types import Episode, TrajectoryGroup
+from rllm_skyrl.records import Episode, TrajectoryGroup
 
 if TYPE_CHECKING:
     from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader

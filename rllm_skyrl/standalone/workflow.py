@@ -20,9 +20,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rllm_skyrl.compat import rllm
+from rllm_skyrl import rllm_api
+from rllm_skyrl.records import (
+    Episode,
+    ModelOutput,
+    Step,
+    TerminationReason,
+    Trajectory,
+    termination_value,
+)
 from rllm_skyrl.standalone.rollout_engine import RolloutEngine
-from rllm_skyrl.types import Episode, ModelOutput, Step, TerminationReason, Trajectory, termination_value
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +256,7 @@ class WorkflowEngine:
         return episode
 
     async def _run_once(self, task: dict[str, Any], uid: str, kwargs: dict[str, Any]) -> Episode:
-        if rllm.is_rllm_workflow(self.workflow_cls):
+        if rllm_api.is_rllm_workflow(self.workflow_cls):
             return await self._run_rllm_workflow(task, uid, kwargs)
         workflow = self.workflow_cls(rollout_engine=self.rollout_engine, **self.workflow_args)
         try:

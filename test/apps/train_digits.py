@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 
 from rllm_skyrl import checkpoint
 from rllm_skyrl.launcher import run
+from rllm_skyrl.records import Episode, Step, TerminationReason, Trajectory
 from rllm_skyrl.standalone.workflow import Workflow, task_messages
-from rllm_skyrl.types import Episode, Step, TerminationReason, Trajectory
 
 VAL_SOURCES = ("digits_a", "digits_b")
 

@@ -3,7 +3,7 @@
 rLLM is optional (it is not on PyPI). Where an rLLM user must get exactly what rLLM's other backends
 give them (its ``ModelOutput`` and ``TerminationEvent`` classes, its chat-template parser, its
 advantage estimators and registry, its task ids), this module imports rLLM's; without rLLM the
-``rllm_skyrl.types`` records and the standalone trainer's own implementations stand in. Nothing
+``rllm_skyrl.records`` stand-ins and the standalone trainer's own implementations stand in. Nothing
 else in the package imports ``rllm``.
 """
 
@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from rllm_skyrl import types
+from rllm_skyrl import records
 
 
 @functools.cache
@@ -29,7 +29,7 @@ def model_output_class() -> type:
         from rllm.engine.rollout.rollout_engine import ModelOutput
 
         return ModelOutput
-    return types.ModelOutput
+    return records.ModelOutput
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> Any:
@@ -38,7 +38,7 @@ def tool_call(name: str, arguments: dict[str, Any]) -> Any:
         from rllm.tools.tool_base import ToolCall
 
         return ToolCall(name=name, arguments=arguments)
-    return types.ToolCall(name=name, arguments=arguments)
+    return records.ToolCall(name=name, arguments=arguments)
 
 
 def termination_event(reason: str) -> Exception:
@@ -47,7 +47,7 @@ def termination_event(reason: str) -> Exception:
         from rllm.workflows.workflow import TerminationEvent, TerminationReason
 
         return TerminationEvent(TerminationReason(reason))
-    return types.TerminationEvent(reason)
+    return records.TerminationEvent(reason)
 
 
 def chat_parser(tokenizer: Any, disable_thinking: bool = False) -> Any:

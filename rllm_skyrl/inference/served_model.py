@@ -1,6 +1,6 @@
 """The served model behind the HTTP routes: loading, model-name resolution, generation, weight swaps.
 
-Transport-agnostic on purpose: ``app.py`` and ``openai_api.py`` translate HTTP to these calls.
+Transport-agnostic on purpose: ``routes.py`` and ``openai_api.py`` translate HTTP to these calls.
 Chat templating and text tokenization run on a thread of their own, never on the event loop: a
 heavy template or a long text would otherwise stall every other request, ``/health`` included.
 """

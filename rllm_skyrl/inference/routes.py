@@ -37,7 +37,7 @@ from rllm_skyrl.inference.errors import ApiError
 from rllm_skyrl.inference.middleware import BodyLimit, LastResortErrors, TokenAuth
 from rllm_skyrl.inference.sampling import SamplingParams
 from rllm_skyrl.inference.scheduler import GenerationResult
-from rllm_skyrl.inference.service import InferenceService
+from rllm_skyrl.inference.served_model import InferenceService
 
 MAX_DETOKENIZE = 1 << 20
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import uvicorn
 
-from rllm_skyrl.inference.app import build_app
-from rllm_skyrl.inference.service import InferenceService
+from rllm_skyrl.inference.routes import build_app
+from rllm_skyrl.inference.served_model import InferenceService
 
 
 class InferenceServer:
