@@ -31,8 +31,8 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 
 from rllm_skyrl import rllm_api
-from rllm_skyrl.run_config.resolve import OUTCOME_ESTIMATORS as ESTIMATORS
-from rllm_skyrl.run_config.resolve import SKYRL_LOSS_REDUCTIONS
+from rllm_skyrl.run_config.algorithm import OUTCOME_ESTIMATORS as ESTIMATORS
+from rllm_skyrl.run_config.algorithm import SKYRL_LOSS_REDUCTIONS
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
 
 # A group whose rewards spread less than this carries no learning signal (rLLM's tolerance).

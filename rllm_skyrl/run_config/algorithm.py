@@ -1,0 +1,114 @@
+"""The algorithm section: advantage estimators, policy and critic losses, loss reduction, old logprobs.
+
+Everything ``rllm.algorithm.*`` (and ``training.loss_fn_config``) decides about the update, checked
+and resolved once per run. The per-role losses rLLM users set in code come later, with the
+trainer's ``AlgorithmConfig`` (``RunConfig.with_algorithm_config``, by the same default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rllm_skyrl import losses
+from rllm_skyrl.run_config.tree import select
+
+# rLLM's outcome estimators (``advantages``); GAE is SkyRL's and needs a critic.
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "reinforce", "reinforce_plus_plus_baseline", "prpo")
+SUPPORTED_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
+# Estimators that compare the rollouts of one task, so they need several of them.
+_GROUP_ESTIMATORS = ("grpo", "rloo")
+
+# Our names (rLLM/verl spellings, with "-" or "_") -> (SkyRL reduction, fixed length constant or None).
+# seq_mean_token_sum is Dr. GRPO's seq_mean_token_sum_norm with a constant of 1: sum per sequence,
+# mean over sequences.
+SKYRL_LOSS_REDUCTIONS: dict[str, tuple[str, int | None]] = {
+    "token_mean": ("token_mean", None),
+    "sequence_mean": ("sequence_mean", None),
+    "seq_mean_token_mean": ("sequence_mean", None),
+    "seq_mean_token_sum": ("seq_mean_token_sum_norm", 1),
+    "seq_mean_token_sum_norm": ("seq_mean_token_sum_norm", None),
+    "prompt_mean": ("prompt_mean", None),
+}
+# The policy loss when rllm.algorithm.loss_fn names none, as rLLM's tinker backend picks it.
+_LOSS_BY_ESTIMATOR = {"grpo": "ppo", "gae": "ppo"}
+
+
+def default_policy_loss(estimator: str) -> str:
+    """``ppo`` for GRPO (and GAE), ``importance_sampling`` for the other estimators (rLLM's rule)."""
+    return _LOSS_BY_ESTIMATOR.get(estimator, "importance_sampling")
+
+
+def _policy_loss(estimator: str, named: str | None, loss_fn_config: Any) -> losses.ResolvedLoss:
+    """The policy loss rows of an ``estimator`` train with: ``named`` (``rllm.algorithm.loss_fn``)
+    if given, else the estimator's default. Raises ``ValueError`` from ``losses.resolve_loss``."""
+    return losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
+
+
+def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
+    """The ``RunConfig`` fields of the algorithm section. Raises ``ValueError`` naming the key."""
+    estimator = select(cfg, "rllm.algorithm.adv_estimator", "grpo")
+    if estimator not in SUPPORTED_ESTIMATORS:
+        raise ValueError(f"rllm.algorithm.adv_estimator={estimator!r}: choose one of {SUPPORTED_ESTIMATORS}")
+    estimator_map = dict(select(cfg, "rllm.algorithm.estimator_map") or {})
+    for role, role_estimator in estimator_map.items():
+        if role_estimator not in OUTCOME_ESTIMATORS:
+            raise ValueError(
+                f"rllm.algorithm.estimator_map.{role}={role_estimator!r}: choose one of {OUTCOME_ESTIMATORS}"
+            )
+    rollout_n = int(select(cfg, "rllm.rollout.n", 1))
+    if estimator in _GROUP_ESTIMATORS and rollout_n < 2:
+        raise ValueError(f"adv_estimator={estimator} compares rollouts of one task: set rllm.rollout.n >= 2")
+    return {
+        "estimator": estimator,
+        "estimator_map": estimator_map,
+        "norm_adv_by_std": bool(select(cfg, "rllm.algorithm.norm_adv_by_std_in_grpo", True)),
+        "use_precomputed_advantage": bool(select(cfg, "rllm.algorithm.use_precomputed_advantage", False)),
+        "filter_zero_variance_groups": bool(select(cfg, "training.filter_zero_variance_groups", False)),
+        **_losses(cfg, estimator, estimator_map),
+        **_rollout_correction(cfg),
+    }
+
+
+def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> dict[str, Any]:
+    """The policy loss (per role, for the roles with their own estimator), the critic's, the reduction."""
+    loss_fn_config = select(cfg, "training.loss_fn_config")
+    critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
+    named = select(cfg, "rllm.algorithm.loss_fn")
+    try:
+        policy_loss = _policy_loss(estimator, named, loss_fn_config)
+        role_losses = {
+            role: _policy_loss(role_estimator, named, loss_fn_config)
+            for role, role_estimator in estimator_map.items()
+        }
+        critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
+    except ValueError as error:
+        raise ValueError(f"rllm.algorithm.loss_fn / training.loss_fn_config: {error}") from error
+    if not policy_loss.uses_advantages and policy_loss.loss_fn != "cross_entropy":
+        raise ValueError(f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r} cannot train from rewards")
+    reduction = select(cfg, "rllm.algorithm.loss_agg_mode") or "token_mean"
+    if reduction.replace("-", "_") not in SKYRL_LOSS_REDUCTIONS:
+        raise ValueError(
+            f"rllm.algorithm.loss_agg_mode={reduction!r}: choose one of {list(SKYRL_LOSS_REDUCTIONS)}"
+        )
+    return {
+        "policy_loss": policy_loss,
+        "critic_loss": critic_loss,
+        "role_losses": role_losses,
+        "loss_reduction": reduction,
+        "extra": {
+            "loss_fn": named,
+            "loss_fn_config": loss_fn_config,
+            "critic_loss_fn_config": critic_loss_fn_config,
+        },
+    }
+
+
+def _rollout_correction(cfg: DictConfig) -> dict[str, Any]:
+    """Old logprobs: the rollout's own (``bypass_mode``, no extra forward pass) or recomputed."""
+    if select(cfg, "rllm.algorithm.rollout_correction.tis_mode"):
+        raise ValueError(
+            "rllm.algorithm.rollout_correction.tis_mode is not supported by the SkyRL backend yet"
+        )
+    return {"bypass_mode": bool(select(cfg, "rllm.algorithm.rollout_correction.bypass_mode", True))}
