@@ -26,7 +26,7 @@ import weakref
 from contextlib import nullcontext
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rllm_skyrl import advantages as adv
 from rllm_skyrl import rllm_api
@@ -36,8 +36,7 @@ from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_gro
 from rllm_skyrl.metrics import StepMetrics
 from rllm_skyrl.policy_update import PolicyUpdate
 from rllm_skyrl.rollout_ledger import restore_step_tokens
-from rllm_skyrl.run_config import RunConfig, resolve_run_config
-from rllm_skyrl.run_config.tree import hydra_cli_overrides
+from rllm_skyrl.run_config import RunConfig, resolve_run_config, trainer_keys_behind
 from rllm_skyrl.runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -61,11 +60,10 @@ class SkyRLBackend:
         for backend in list(cls._running):
             backend.shutdown()
 
-    def __init__(self, config: DictConfig, cli_overrides: list[str] | None = None, **_: Any) -> None:
+    def __init__(self, config: DictConfig, **_: Any) -> None:
+        """``config`` is the trainer's whole config; other keyword arguments (rLLM's
+        ``backend_args``) are accepted and not used."""
         self.config = config
-        if cli_overrides is None:  # rLLM's UnifiedTrainer passes none: read the running Hydra app's
-            cli_overrides = hydra_cli_overrides()
-        self.cli_overrides = list(cli_overrides)
         self.run: RunConfig | None = None
         self.runtime: Runtime | None = None
         self.rollout_engine = None
@@ -85,10 +83,18 @@ class SkyRLBackend:
     def validate_config(self) -> None:
         """Every check that needs no Ray, no model and no server; errors name the key to change.
 
-        Keys of rLLM's tinker/verl backends are copied onto their counterparts in ``self.config``
-        here, before rLLM's trainer reads it (``run_config.aliases``).
+        The one write into the trainer's config: rLLM's trainer reads its own ``rllm.*`` keys after
+        this hook (batch sizes for its data loaders, ``rllm.algorithm`` for its advantages), so an
+        alias of one of them (tinker's ``data.train_batch_size``) is copied onto it here, as rLLM's
+        own launchers sync ``data.*`` into ``rllm.data.*``. The run resolves the same either way;
+        the launchers of this package hand the trainer ``run_config.with_aliases(cfg)``, for which
+        there is nothing left to copy.
         """
-        self.run = resolve_run_config(self.config, self.cli_overrides)
+        self.run = resolve_run_config(self.config)
+        behind = trainer_keys_behind(self.config)
+        with open_dict(self.config):
+            for key, value in behind.items():
+                OmegaConf.update(self.config, key, value, merge=False, force_add=True)
 
     def init_rollout_engine(self, **kwargs: Any):
         """Start Ray, the training workers and the inference servers; return the rollout engine."""

@@ -19,14 +19,12 @@ from pathlib import Path
 
 from rllm_skyrl import stop_signals
 from rllm_skyrl.errors import UserFacingError
-from rllm_skyrl.run_config.tree import hydra_cli_overrides
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "clean_stop",
     "finish_run",
-    "hydra_cli_overrides",
     "main",
     "one_line_errors",
     "plan",
@@ -137,6 +135,7 @@ def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path
 
     compat.apply(["package_index", "lazy_imports"])  # before the backend's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.run_config import with_aliases
     from rllm_skyrl.run_log import read_metrics
     from rllm_skyrl.secret_masking import mask_process_output
     from rllm_skyrl.standalone import UnifiedTrainer
@@ -148,12 +147,11 @@ def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path
             with one_line_errors():
                 trainer = UnifiedTrainer(
                     backend_cls=SkyRLBackend,
-                    config=cfg,
+                    config=with_aliases(cfg),  # the trainer reads rllm.* keys an alias may set
                     workflow_class=_import(workflow_class),
                     workflow_args=workflow_args,
                     train_dataset=train_dataset,
                     val_dataset=val_dataset,
-                    backend_args={"cli_overrides": hydra_cli_overrides()},
                 )
         except BaseException:  # the backend may have started Ray, workers and servers already
             SkyRLBackend.shutdown_all()
@@ -228,7 +226,7 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
             cfg = compose(config_name, overrides=overrides)
         except HydraException as error:  # an unknown key or group: the user's to fix
             raise ConfigError(str(error).strip().replace("\n", " ")) from None
-    run = resolve_run_config(cfg, overrides, platform=Platform.gpu_cluster(), resolve_models=False)
+    run = resolve_run_config(cfg, platform=Platform.gpu_cluster(), resolve_models=False)
     try:
         validate_cfg(copy.deepcopy(run.skyrl))
     except (AssertionError, ValueError) as error:

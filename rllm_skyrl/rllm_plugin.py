@@ -5,8 +5,8 @@ Three ways in, from the most explicit to the most convenient:
 1. ``rllm.trainer.unified_trainer.UnifiedTrainer(backend_cls=SkyRLBackend, config=cfg, ...)``:
    ``SkyRLBackend`` implements rLLM's backend hooks; nothing from this module is needed.
 2. ``SkyRLTrainerLauncher(cfg, workflow_class=..., ...).train()``: what rLLM's per-backend launchers
-   do (build the trainer, fit, always shut down), plus the run's Hydra command-line overrides for
-   the config bridge's precedence rule.
+   do (build the trainer, fit, always shut down), with the keys of rLLM's other backends applied to
+   a copy of the config (``run_config.with_aliases``).
 3. ``register()``, then rLLM's ``AgentTrainer(config=cfg, workflow_class=..., backend="skyrl").train()``.
    rLLM's ``AgentTrainer`` picks its launcher with an if/elif over backend names and has no table
    to add to, so ``register()`` wraps its constructor: ``backend="skyrl"`` builds a
@@ -95,13 +95,8 @@ class SkyRLTrainerLauncher:
         the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
         """
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.launcher import (
-            clean_stop,
-            finish_run,
-            hydra_cli_overrides,
-            one_line_errors,
-            quiet_libraries,
-        )
+        from rllm_skyrl.launcher import clean_stop, finish_run, one_line_errors, quiet_libraries
+        from rllm_skyrl.run_config import with_aliases
         from rllm_skyrl.run_log import mirror_logger
         from rllm_skyrl.secret_masking import mask_process_output
 
@@ -117,18 +112,19 @@ class SkyRLTrainerLauncher:
             trainer = None
             try:
                 with one_line_errors():
+                    config = with_aliases(self.config)  # the trainer reads rllm.* keys an alias may set
                     trainer = unified.UnifiedTrainer(
                         backend_cls=backend_cls,
-                        config=self.config,
+                        config=config,
                         workflow_class=self.workflow_class,
                         train_dataset=self.train_dataset,
                         val_dataset=self.val_dataset,
                         workflow_args=self.workflow_args,
-                        backend_args={"cli_overrides": hydra_cli_overrides(), **self.backend_args},
+                        backend_args=self.backend_args,
                         store=self.store,
                         **self.kwargs,
                     )
-                run_dir = OmegaConf.select(self.config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
+                run_dir = OmegaConf.select(config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
                 mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
                 trainer.fit()
             finally:

@@ -162,6 +162,36 @@ def compose_unified(*overrides: str, model: str | None = "tiny"):
         return compose("unified", overrides=[*([f"model.path={model}"] if model else []), *overrides])
 
 
+def compose_three_ways(settings: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """The entry config with ``settings`` ({dotted key: value}) given three ways: as command-line
+    overrides, in a yaml file that composes ``unified``, and merged in as a dict.
+
+    The three hold the same content, so the config layer must resolve them alike.
+    """
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    nested: dict[str, Any] = {}
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    overrides = [f"++{key}={json.dumps(value)}" for key, value in settings.items()]
+    command_line = compose_unified(*overrides, model=None)
+    directory = tmp_path / "yaml_config"
+    directory.mkdir()
+    primary = {"defaults": ["unified", "_self_"], "hydra": {"searchpath": [f"file://{REPO / 'config'}"]}}
+    (directory / "run.yaml").write_text(OmegaConf.to_yaml({**primary, **nested}))
+    with initialize_config_dir(config_dir=str(directory), version_base=None):
+        yaml_file = compose("run")
+    merged = compose_unified(model=None)
+    with open_dict(merged):
+        merged.merge_with(nested)
+    return {"command line": command_line, "yaml file": yaml_file, "dict": merged}
+
+
 def compose_example(example: str, *overrides: str):
     """``examples/<example>/config.yaml`` with ``overrides``."""
     from hydra import compose, initialize_config_dir

@@ -11,11 +11,13 @@ import statistics
 import pytest
 import torch
 from helpers import compose_example, compose_unified, run_dirs
+from omegaconf import OmegaConf
 
 from examples.simple_math.task import make_rows, reward_fn
 from rllm_skyrl import launcher
 from rllm_skyrl.backend import SkyRLBackend
 from rllm_skyrl.records import Episode, Step, Trajectory
+from rllm_skyrl.run_config import with_aliases
 from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.standalone.workflow import SingleTurnWorkflow, Workflow, task_messages
 from rllm_skyrl.workers import SkyRLWorkers
@@ -56,6 +58,21 @@ def test_validate_config_requires_a_model(tmp_path):
     cfg = compose_unified(model=None)
     with pytest.raises(ValueError, match="model.path"):
         SkyRLBackend(cfg).validate_config()
+
+
+def test_validate_config_copies_aliases_onto_the_rllm_keys_the_trainer_reads(tmp_path):
+    """``UnifiedTrainer(backend_cls=SkyRLBackend, config=cfg)`` with tinker's ``data.train_batch_size``:
+    the trainer's data loaders read ``rllm.data.train_batch_size``, so that key (and only such rllm.*
+    keys) is written; a config from ``with_aliases`` has nothing left to write."""
+    cfg = unified_config(tmp_path, "data.train_batch_size=8", "training.max_length=96")
+    expected = OmegaConf.to_container(cfg)
+    expected["rllm"]["data"]["train_batch_size"] = 8  # inference.max_model_len is ours: untouched
+    SkyRLBackend(cfg).validate_config()
+    assert OmegaConf.to_container(cfg) == expected
+    aliased = with_aliases(unified_config(tmp_path, "data.train_batch_size=8"))
+    given = OmegaConf.to_container(aliased)
+    SkyRLBackend(aliased).validate_config()
+    assert OmegaConf.to_container(aliased) == given
 
 
 def test_validate_config_starts_nothing(tmp_path):

@@ -10,11 +10,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import compose_three_ways
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from rllm_skyrl.run_config import ConfigError, resolve_run_config
-from rllm_skyrl.run_config.aliases import KEYS, Alias, Refused, apply_aliases, table_markdown
+from rllm_skyrl.hardware import Platform
+from rllm_skyrl.run_config import ConfigError, resolve_run_config, with_aliases
+from rllm_skyrl.run_config.aliases import KEYS, Alias, Refused, alias_values, table_markdown
 from rllm_skyrl.run_config.tree import select
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -135,13 +137,13 @@ def test_every_key_has_a_test_value():
 
 @pytest.mark.parametrize("module", CONFIG_MODULES)
 @pytest.mark.parametrize("spec", [s for s in KEYS if isinstance(s, Alias)], ids=lambda s: s.key)
-def test_alias_reaches_its_target(module, spec):
+def test_alias_reaches_its_target_in_a_new_config(module, spec):
     value = VALUES[spec.key]
-    cli = [_override(spec.key, value)]
-    cfg = compose_config(module, *cli, model=spec.target != "model.path")
-    written = apply_aliases(cfg, cli)
-    assert written == {spec.target: spec.convert(value)}
-    assert select(cfg, spec.target) == spec.convert(value)
+    cfg = compose_config(module, _override(spec.key, value), model=spec.target != "model.path")
+    given = OmegaConf.to_container(cfg)
+    assert alias_values(cfg) == {spec.target: spec.convert(value)}
+    assert select(with_aliases(cfg), spec.target) == spec.convert(value)
+    assert OmegaConf.to_container(cfg) == given  # the config given is left as it was
 
 
 @pytest.mark.parametrize("module", CONFIG_MODULES)
@@ -152,7 +154,7 @@ def test_refused_key_names_itself_and_why(module, spec):
         resolve_run_config(cfg, resolve_models=False)
     assert spec.key in str(caught.value) and spec.why.split(";")[0] in str(caught.value)
     inert = compose_config(module, *([] if spec.inert[-1] is None else [_override(spec.key, spec.inert[-1])]))
-    apply_aliases(inert)  # a value that asks for nothing passes
+    with_aliases(inert)  # a value that asks for nothing passes
 
 
 def test_a_tinker_command_line_carries_over():
@@ -170,24 +172,42 @@ def test_a_tinker_command_line_carries_over():
     ]
     for module in CONFIG_MODULES:
         cfg = compose_config(module, *cli)
-        run = resolve_run_config(cfg, cli, resolve_models=False)
+        run = resolve_run_config(cfg, resolve_models=False)
         assert run.model_path == "tiny" and run.max_prompt_length == 4096 and run.max_response_length == 1024
-        assert run.skyrl.trainer.train_batch_size == 32 and cfg.rllm.data.val_batch_size == 256
+        assert run.skyrl.trainer.train_batch_size == 32 and with_aliases(cfg).rllm.data.val_batch_size == 256
         assert run.inference.max_model_len == 8192 and run.warmup_steps_ratio == 0.1
         assert run.skyrl.trainer.policy.optimizer_config.scheduler == "cosine"
         assert run.rollout.disable_thinking is True
 
 
-def test_alias_and_target_both_on_the_command_line_must_agree():
-    cli = ["data.train_batch_size=8", "rllm.data.train_batch_size=16"]
-    with pytest.raises(ConfigError, match="conflicting overrides: data.train_batch_size=8"):
-        resolve_run_config(compose_config("rllm_skyrl.config", *cli), cli, resolve_models=False)
+def test_a_set_alias_overrules_its_target_from_every_route(tmp_path):
+    """rLLM's base config gives the target a value, so only the alias says what the user wants."""
+    settings = {"model.path": "tiny", "data.train_batch_size": 8, "rllm.data.train_batch_size": 16}
+    for route, cfg in compose_three_ways(settings, tmp_path).items():
+        run = resolve_run_config(cfg, platform=Platform(cuda=False), resolve_models=False)
+        assert run.skyrl.trainer.train_batch_size == 8, route
+        assert with_aliases(cfg).rllm.data.train_batch_size == 8, route
 
 
-def test_target_on_the_command_line_beats_an_alias_set_in_yaml():
-    cfg = compose_config("rllm_skyrl.config", "data.train_batch_size=8", "rllm.data.train_batch_size=16")
-    apply_aliases(cfg, ["rllm.data.train_batch_size=16"])  # data.* came from yaml this time
-    assert cfg.rllm.data.train_batch_size == 16
+def test_two_aliases_of_one_target_that_disagree_name_both():
+    clip = "actor_rollout_ref.actor.clip_ratio"
+    cfg = compose_config("rllm_skyrl.config", f"{clip}=0.1", f"{clip}_low=0.15")
+    with pytest.raises(ConfigError) as caught:
+        resolve_run_config(cfg, resolve_models=False)
+    message = str(caught.value)
+    assert "actor_rollout_ref.actor.clip_ratio_low=0.15" in message
+    assert "actor_rollout_ref.actor.clip_ratio=0.1" in message and "rllm.algorithm.eps_clip" in message
+
+
+def test_resolving_leaves_the_config_as_it_was_given():
+    cfg = compose_config("rllm_skyrl.config", "data.train_batch_size=8", "trainer.project_name=proj")
+    given = OmegaConf.to_container(cfg)
+    resolve_run_config(cfg, resolve_models=False)
+    aliased = with_aliases(cfg)
+    assert OmegaConf.to_container(cfg) == given
+    assert aliased.rllm.data.train_batch_size == 8
+    assert aliased.rllm.trainer.run_dir == "logs/proj/default"  # interpolations follow the target
+    assert OmegaConf.to_container(with_aliases(aliased)) == OmegaConf.to_container(aliased)
 
 
 def test_the_yaml_declares_every_key_and_nothing_else_at_their_roots():

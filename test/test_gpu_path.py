@@ -124,7 +124,7 @@ def test_resolved_config_passes_skyrls_validation(platform, estimator):
     overrides = [MODEL, f"rllm.algorithm.adv_estimator={estimator}"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         cfg = compose("unified", overrides=overrides)
-    run = resolve_run_config(cfg, overrides, platform=platform, resolve_models=False)
+    run = resolve_run_config(cfg, platform=platform, resolve_models=False)
     trainer = run.skyrl.trainer
     assert trainer.logger == "console"
     assert trainer.flash_attn is platform.flash_attn

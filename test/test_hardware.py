@@ -55,7 +55,7 @@ def test_start_servers_starts_what_the_platform_picks(monkeypatch, cuda, overrid
         lambda model, count, **kw: started.append(("cpu", model, count, kw["max_batch_size"], kw["threads"])),
     )
     cfg = compose_unified("model.path=org/model", *overrides)
-    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
+    run = resolve_run_config(cfg, platform=Platform(cuda=cuda), resolve_models=False)
     servers.start_servers(run, tokenizer=None)
     assert started == [expected]
 
@@ -79,7 +79,7 @@ def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, wor
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     cfg = compose_unified("model.path=org/model", *overrides)
-    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=False), resolve_models=False)
+    run = resolve_run_config(cfg, platform=Platform(cuda=False), resolve_models=False)
     assert (run.inference.threads, run.cpu_threads) == (server_threads, worker_threads)
     env = runtime_env_for(Platform(cuda=False), run.skyrl, cpu_threads=run.cpu_threads)["env_vars"]
     assert env["OMP_NUM_THREADS"] == str(worker_threads)
@@ -125,7 +125,7 @@ def test_given_urls_are_checked_before_use(cpu_server):
 )
 def test_trained_models_reshard_after_forward_only_where_memory_is_scarce(cuda, overrides, expected):
     cfg = compose_unified("model.path=org/model", "rllm.algorithm.adv_estimator=gae", *overrides)
-    run = resolve_run_config(cfg, overrides, platform=Platform(cuda=cuda), resolve_models=False)
+    run = resolve_run_config(cfg, platform=Platform(cuda=cuda), resolve_models=False)
     assert run.skyrl.trainer.policy.fsdp_config.reshard_after_forward is expected
     assert run.skyrl.trainer.critic.fsdp_config.reshard_after_forward is cuda
 

@@ -51,7 +51,7 @@ def resolve(*overrides: str, platform: Platform = CPU):
                 *overrides,
             ],
         )
-    return resolve_run_config(cfg, list(overrides), platform=platform)
+    return resolve_run_config(cfg, platform=platform)
 
 
 # ---------------------------------------------------------------------------- config
@@ -143,6 +143,15 @@ def test_verl_keys_reach_the_lora_settings():
         (
             ("model.lora_rank=8", "rllm.algorithm.kl_beta=0.1", "+skyrl.trainer.ref.model.lora.rank=4"),
             "skyrl.trainer.ref.model.lora.rank=4: SkyRL's reference worker never reads it",
+        ),
+        (
+            (
+                "model.lora_rank=8",
+                "model.lora_target_modules=[q_proj]",
+                "+skyrl.trainer.policy.model.lora.target_modules=[v_proj]",
+            ),
+            "and skyrl.trainer.policy.model.lora.target_modules=['v_proj'] set the same thing differently; "
+            "set model.lora_target_modules only",
         ),
         (
             ("model.lora_rank=8", "skyrl.trainer.policy.model.lora.lora_sync_path=/tmp/adapters"),

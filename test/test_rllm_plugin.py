@@ -263,7 +263,9 @@ def test_skyrl_backend_constructs_and_validates_as_rllm_does(tmp_path):
     backend = SkyRLBackend(config=cfg)
     backend.validate_config()
     assert backend.rollout_engine is None and backend.tokenizer is None  # set by init_rollout_engine
-    assert Path(backend.run.model_path).is_dir() and cfg.model.path == "tiny"  # alias applied in place
+    assert Path(backend.run.model_path).is_dir()
+    # model.name is an alias the backend alone reads: the trainer's config keeps model.path unset
+    assert OmegaConf.is_missing(cfg.model, "path")
 
 
 # --- Hydra search path ------------------------------------------------------------------------------
@@ -312,7 +314,7 @@ def test_search_path_plugin_resolves_skyrl_backend_and_shadows_nothing(tmp_path)
     skyrl = result["skyrl"]
     assert skyrl["rllm"]["marker"] == "stand_in_rllm_base"  # the app's rllm/base, not ours
     assert skyrl["rllm"]["rollout"]["n"] == skyrl["training"]["group_size"]
-    assert skyrl["skyrl"]["trainer"]["policy"]["model"]["path"] == "tiny"
+    assert skyrl["model"]["path"] == "tiny" and skyrl["skyrl"]["trainer"]["strategy"] == "fsdp"
     assert "verl_only" not in skyrl
     assert result["default"]["verl_only"] is True and "skyrl" not in result["default"]
     assert "skyrl" in result["unknown"] and "verl" in result["unknown"]  # Hydra lists both options
@@ -330,7 +332,8 @@ def test_real_rllm_unified_config_composes_with_skyrl_backend(tmp_path):
     skyrl_cfg = make_skyrl_config(skyrl_overrides(cfg))
     assert {"model", "rllm", "skyrl", "training", "inference", "data"} <= set(cfg.keys())
     assert "gateway" in cfg.rllm  # rLLM's own rllm/base, not our stand-in
-    assert [p.rllm for p in BRIDGE if OC.select(cfg, p.rllm, default=KeyError) is KeyError] == []
+    sources = [key for pair in BRIDGE for key in pair.sources]
+    assert [key for key in sources if OC.select(cfg, key, default=KeyError) is KeyError] == []
     assert cfg.rllm.rollout.n == skyrl_cfg.generator.n_samples_per_prompt == 4
     assert skyrl_cfg.trainer.train_batch_size == cfg.rllm.data.train_batch_size
     assert cfg.rllm.algorithm.rollout_correction.bypass_mode is True

@@ -263,7 +263,7 @@ def ray_ownership(monkeypatch):
 
 
 def _start_backend(tmp_path, *overrides: str) -> SkyRLBackend:
-    backend = SkyRLBackend(compose_unified(*run_dirs(tmp_path), *overrides), cli_overrides=list(overrides))
+    backend = SkyRLBackend(compose_unified(*run_dirs(tmp_path), *overrides))
     backend.validate_config()
     return backend
 

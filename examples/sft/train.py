@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
 from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import clean_stop, hydra_cli_overrides, one_line_errors, quiet_libraries
+from rllm_skyrl.launcher import clean_stop, one_line_errors, quiet_libraries
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
 from rllm_skyrl.secret_masking import mask_process_output
@@ -67,7 +67,7 @@ def train_sft(cfg: DictConfig) -> SFTResult:
 
     # One optimizer step per SFT step: the run is exactly sft.steps optimizer steps long.
     with one_line_errors():
-        run = resolve_run_config(cfg, hydra_cli_overrides()).for_total_steps(sft.steps)
+        run = resolve_run_config(cfg).for_total_steps(sft.steps)
     runtime = Runtime.start(run, serve=False)
     try:
         tokenizer, models = runtime.tokenizer, runtime.models

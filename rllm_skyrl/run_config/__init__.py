@@ -1,14 +1,35 @@
 """The one config layer: a composed Hydra config in, one resolved ``RunConfig`` out.
 
-bridge       rLLM keys <-> SkyRL keys, one table, one precedence rule
-skyrl        SkyRL's typed config from dotted keys, errors naming the whole key
+Which value wins depends only on the composed config's content, never on whether a key came from
+the command line, a yaml file or a dict, and resolving never changes the config it is given:
+
+1. A key of rLLM's tinker or verl backend (``aliases.KEYS``) that is set (non-null) is the value
+   of the key it aliases, whatever that key holds: rLLM's base config gives most of them defaults,
+   so their holding a value says nothing about the user. Two aliases of one key that disagree are
+   an error naming both.
+2. rLLM's keys (``rllm.*``) and the backend's own (``model.*``, ``training.*``, ``inference.*``)
+   are the source; their SkyRL counterparts under ``skyrl.*`` (``bridge.BRIDGE``) follow them. The
+   shipped yaml sets none of those counterparts, so a set one was set by the user: if its source
+   is set too and says otherwise (after translation: ``rllm.algorithm.lr_schedule=constant`` is
+   SkyRL's ``constant_with_warmup``), that is an error naming both keys and their values and asking
+   for the source; if its source is null, it is used.
+3. SkyRL keys derived from several settings (mini-batch sizes, the critic's and the reference's
+   model, LoRA target modules, ``reshard_after_forward``) are filled in only where left unset, and
+   what the machine requires (sdpa without flash-attn, no colocation on CPU) always applies
+   (``hardware.Platform.skyrl_overrides``).
+
+aliases      other backends' keys -> ours, as a new config (``with_aliases``)
+bridge       our keys -> SkyRL's keys, one table
 resolve      ``resolve_run_config``, section by section; ``settings`` the ``RunConfig`` it returns
 algorithm    estimators, losses, loss reduction, old logprobs (the ``rllm.algorithm`` section)
 lora         tinker's LoRA keys -> SkyRL's trainer.policy.model.lora (target modules from the model)
 model_paths  model names -> directories this machine can load
+values       type and range of every user-facing key
+skyrl        SkyRL's typed config from dotted keys, errors naming the whole key
 tree         dotted lookups on a composed config
 """
 
+from rllm_skyrl.run_config.aliases import trainer_keys_behind, with_aliases
 from rllm_skyrl.run_config.bridge import BRIDGE, skyrl_overrides
 from rllm_skyrl.run_config.lora import LoraSettings
 from rllm_skyrl.run_config.model_paths import BUILTIN_MODELS, resolve_model_path
@@ -37,4 +58,6 @@ __all__ = [
     "roles_for",
     "select",
     "skyrl_overrides",
+    "trainer_keys_behind",
+    "with_aliases",
 ]

@@ -1,26 +1,33 @@
 """Keys of rLLM's other backends (``tinker.yaml``, ``verl.yaml``), accepted under their own names.
 
 A user moving from ``rllm/backend=tinker`` or ``rllm/backend=verl`` keeps their command line: a key
-that means something here is an *alias* of a key of ours (its value is copied there, with the same
-precedence rule as the rLLM<->SkyRL bridge), and a key that means nothing here is *refused* with
-the reason, unless it holds a value that asks for nothing (``null``, or what this backend does
-anyway). Nothing is silently ignored. The backend's yaml declares every key of this table (so Hydra
-accepts them without ``+``) and a test holds the yaml, this table and the README's table together.
+that means something here is an *alias* of a key of ours, and a key that means nothing here is
+*refused* with the reason, unless it holds a value that asks for nothing (``null``, or what this
+backend does anyway). Nothing is silently ignored. The backend's yaml declares every key of this
+table as null (so Hydra accepts them without ``+``) and a test holds the yaml, this table and the
+README's table together.
 
-Aliases are written into the composed config itself, before rLLM's trainer reads it, exactly as
-rLLM's own launchers sync ``data.*`` into ``rllm.data.*``: the trainer's data loaders then see the
-same batch size as the backend.
+An alias that is set (non-null) is the value of its target, whatever the target holds: rLLM's base
+config gives most targets a default (``rllm.data.train_batch_size: 64``), so a set target says
+nothing about the user, while a set alias always does; a tinker user's ``data.train_batch_size=32``
+must train with 32. Two aliases of one target that disagree are an error naming both.
+
+``with_aliases`` returns a new config with every alias written onto its target, so interpolations
+that read a target (``rllm.rollout.train.max_tokens: ${rllm.data.max_response_length}``) follow.
+The launchers hand that config to the trainer, whose data loaders then see the same batch size as
+the backend, as rLLM's own launchers sync ``data.*`` into ``rllm.data.*``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from rllm_skyrl.run_config.bridge import cli_keys, on_cli
+from rllm_skyrl.run_config.settings import ConfigError
 from rllm_skyrl.run_config.tree import select
 
 
@@ -232,42 +239,58 @@ KEYS: tuple[Alias | Refused, ...] = (
 )
 
 
-def apply_aliases(cfg: DictConfig, cli_overrides: Iterable[str] = ()) -> dict[str, Any]:
-    """Copy every set alias onto its target in ``cfg`` (in place); refuse keys that mean nothing here.
+def alias_values(cfg: DictConfig) -> dict[str, Any]:
+    """``{target: value}`` for every alias set in ``cfg``; refuses keys that mean nothing here.
 
-    Precedence per alias, as for the bridge: alias on the command line > target on the command line
-    > alias in yaml > target in yaml; both on the command line with different values is an error.
-    Returns ``{target: value}`` for what was written.
+    Raises ``ConfigError`` naming the key for a refused key that asks for something, and naming
+    both aliases when two aliases of one target disagree.
     """
-    cli = cli_keys(cli_overrides)
-    written: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    setters: dict[str, str] = {}
     for spec in KEYS:
         value = select(cfg, spec.key)
         if isinstance(spec, Refused):
             if value not in spec.inert:
-                raise ValueError(f"{spec.key}={value!r} ({spec.backend}): {spec.why}")
+                raise ConfigError(f"{spec.key}={value!r} ({spec.backend}): {spec.why}")
             continue
         if value is None:
             continue
         value = spec.convert(value)
-        alias_on_cli, target_on_cli = on_cli(spec.key, cli), on_cli(spec.target, cli)
-        if target_on_cli and not alias_on_cli:
-            continue
-        current = select(cfg, spec.target)
-        if alias_on_cli and target_on_cli and current != value:
-            raise ValueError(
-                f"conflicting overrides: {spec.key}={value!r} and {spec.target}={current!r} set the same "
-                "thing; drop one of them"
+        if spec.target in values and values[spec.target] != value:
+            other = setters[spec.target]
+            raise ConfigError(
+                f"{spec.key}={value!r} and {other}={values[spec.target]!r} are both names for "
+                f"{spec.target} and disagree; set one of them"
             )
-        previous = written.get(spec.target)
-        if previous is not None and previous != value:
-            raise ValueError(
-                f"{spec.key}={value!r} contradicts another alias of {spec.target} ({previous!r})"
-            )
-        with open_dict(cfg):
-            OmegaConf.update(cfg, spec.target, value, force_add=True)
-        written[spec.target] = value
-    return written
+        values[spec.target], setters[spec.target] = value, spec.key
+    return values
+
+
+def with_aliases(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with every set alias written onto its target; ``cfg`` itself is not changed.
+
+    Applying it twice changes nothing more. Raises ``ConfigError`` as ``alias_values`` does.
+    """
+    values = alias_values(cfg)
+    aliased = copy.deepcopy(cfg)
+    with read_write(aliased), open_dict(aliased):
+        for target, value in values.items():
+            OmegaConf.update(aliased, target, value, merge=False, force_add=True)
+    return aliased
+
+
+def trainer_keys_behind(cfg: DictConfig) -> dict[str, Any]:
+    """``{rllm key: alias value}`` for the ``rllm.*`` targets whose set alias holds another value.
+
+    rLLM's trainer reads its ``rllm.*`` keys itself (batch sizes for its data loaders, the
+    algorithm section for its advantages); these are the ones it would read differently from the
+    backend if handed ``cfg`` as it is rather than ``with_aliases(cfg)``.
+    """
+    return {
+        target: value
+        for target, value in alias_values(cfg).items()
+        if target.startswith("rllm.") and select(cfg, target) != value
+    }
 
 
 def table_markdown() -> str:

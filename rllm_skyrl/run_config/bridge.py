@@ -1,14 +1,15 @@
-"""rLLM keys -> SkyRL keys: one table, one precedence rule.
+"""Our keys -> SkyRL keys: one table, and the rule between a key and its SkyRL counterpart.
 
-rLLM users think in ``rllm.rollout.n`` and ``rllm.algorithm.eps_clip``; SkyRL's workers read
-``generator.n_samples_per_prompt`` and ``trainer.algorithm.eps_clip_low``. Every pair that means
-the same thing is listed once in ``BRIDGE``. For each pair the value comes from, in order:
+rLLM users think in ``rllm.rollout.n`` and ``rllm.algorithm.eps_clip``, and this backend's own keys
+are tinker's (``training.learning_rate``, ``model.path``); SkyRL's workers read
+``generator.n_samples_per_prompt``, ``trainer.algorithm.eps_clip_low`` and
+``trainer.policy.optimizer_config.lr``. Every pair that means the same thing is listed once in
+``BRIDGE``. The source key is the setting; its counterpart under ``skyrl.*`` follows it. The
+shipped yaml sets no counterpart, so one that is set was set by the user: if it disagrees with a
+set source (after translation), that is an error naming both; if the source is null, it is used.
 
-    rLLM key on the command line > SkyRL key on the command line > rLLM yaml > SkyRL yaml
-
-so a SkyRL-side yaml default never silently beats what the rLLM config says, while a SkyRL
-expert can still set the native key on the command line. Both sides on the command line with
-different values is an error naming both keys.
+SkyRL keys derived from several settings (mini-batch sizes, the critic's and the reference's
+model, the KL switch) are filled in where the user left them unset (``_derive_*``).
 
 ``rllm.algorithm.loss_fn`` and ``loss_agg_mode`` are not bridged: the backend resolves them per
 call (``losses.resolve_loss``, ``advantages.apply_loss_reduction``), because SkyRL's workers take
@@ -17,7 +18,7 @@ the loss name per ``forward_backward`` and expect advantages already scaled for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +39,45 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _betas(values: list[Any]) -> list[Any]:
+    return list(values)
+
+
+def _kl_on(beta: Any) -> bool:
+    """rLLM's kl_beta is a coefficient; SkyRL needs the loss switched on as well (it adds a ref model)."""
+    return float(beta) > 0.0
+
+
 @dataclass(frozen=True)
 class Pair:
-    """One rLLM key and the SkyRL key it maps to; ``convert`` turns rLLM values into SkyRL values."""
+    """A key of ours (or several) and the SkyRL key it maps to; ``convert`` turns our value into SkyRL's.
 
-    rllm: str
+    ``source`` is one dotted key, or a tuple of keys whose values ``convert`` takes as a list.
+    """
+
+    source: str | tuple[str, ...]
     skyrl: str
     convert: Callable[[Any], Any] = _identity
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.source,) if isinstance(self.source, str) else self.source
+
+    def given(self, cfg: DictConfig) -> dict[str, Any] | None:
+        """``{source key: value}`` as set in ``cfg``; None when any source key is null or absent."""
+        values = {key: select(cfg, key) for key in self.sources}
+        return None if any(value is None for value in values.values()) else values
+
+    def skyrl_value(self, given: dict[str, Any]) -> Any:
+        values = list(given.values())
+        return self.convert(values[0] if isinstance(self.source, str) else values)
+
+
+_POLICY, _CRITIC = "trainer.policy.", "trainer.critic."
+_BETAS = ("training.beta1", "training.beta2")
 
 BRIDGE: tuple[Pair, ...] = (
+    # --- rLLM's keys --------------------------------------------------------------------------------
     Pair("rllm.rollout.n", "generator.n_samples_per_prompt"),
     Pair("rllm.rollout.n_val", "generator.eval_n_samples_per_prompt"),
     Pair("rllm.data.train_batch_size", "trainer.train_batch_size"),
@@ -64,64 +94,66 @@ BRIDGE: tuple[Pair, ...] = (
     Pair("rllm.algorithm.eps_clip", "trainer.algorithm.eps_clip_low"),
     Pair("rllm.algorithm.eps_clip_high", "trainer.algorithm.eps_clip_high"),
     Pair("rllm.algorithm.kl_beta", "trainer.algorithm.kl_loss_coef"),
-    Pair("rllm.algorithm.lr_schedule", "trainer.policy.optimizer_config.scheduler", _scheduler),
-    Pair("rllm.algorithm.lr_schedule", "trainer.critic.optimizer_config.scheduler", _scheduler),
-    Pair("rllm.algorithm.warmup_steps", "trainer.policy.optimizer_config.num_warmup_steps"),
-    Pair("rllm.algorithm.warmup_steps", "trainer.critic.optimizer_config.num_warmup_steps"),
-    # The backend's own key: how many servers to start, SkyRL's vLLM servers included.
+    Pair("rllm.algorithm.kl_beta", "trainer.algorithm.use_kl_loss", _kl_on),
+    Pair("rllm.algorithm.lr_schedule", _POLICY + "optimizer_config.scheduler", _scheduler),
+    Pair("rllm.algorithm.lr_schedule", _CRITIC + "optimizer_config.scheduler", _scheduler),
+    Pair("rllm.algorithm.warmup_steps", _POLICY + "optimizer_config.num_warmup_steps"),
+    Pair("rllm.algorithm.warmup_steps", _CRITIC + "optimizer_config.num_warmup_steps"),
+    # --- the backend's own keys (tinker's names) ---------------------------------------------------
+    Pair("model.path", _POLICY + "model.path"),
+    Pair("model.critic_path", _CRITIC + "model.path"),
+    Pair("model.lora_rank", _POLICY + "model.lora.rank"),
+    Pair("model.lora_alpha", _POLICY + "model.lora.alpha"),
+    Pair("model.lora_dropout", _POLICY + "model.lora.dropout"),
+    Pair("training.learning_rate", _POLICY + "optimizer_config.lr"),
+    Pair("training.critic_learning_rate", _CRITIC + "optimizer_config.lr"),
+    Pair("training.weight_decay", _POLICY + "optimizer_config.weight_decay"),
+    Pair("training.weight_decay", _CRITIC + "optimizer_config.weight_decay"),
+    Pair("training.max_grad_norm", _POLICY + "optimizer_config.max_grad_norm"),
+    Pair("training.max_grad_norm", _CRITIC + "optimizer_config.max_grad_norm"),
+    Pair(_BETAS, _POLICY + "optimizer_config.adam_betas", _betas),
+    Pair(_BETAS, _CRITIC + "optimizer_config.adam_betas", _betas),
+    Pair("training.update_epochs", "trainer.update_epochs_per_batch"),
+    Pair("training.default_local_dir", "trainer.ckpt_path"),
     Pair("inference.num_engines", "generator.inference_engine.num_engines"),
 )
 
 
-def cli_keys(cli_overrides: Iterable[str]) -> dict[str, str]:
-    """``key=value`` overrides (Hydra's ``+``/``++``/``~`` prefixes stripped) -> {key: raw value}."""
-    keys = {}
-    for override in cli_overrides:
-        key, _, value = override.lstrip("+~").partition("=")
-        keys[key.strip()] = value
-    return keys
-
-
-def on_cli(key: str, cli: dict[str, str]) -> bool:
-    """Whether ``key`` or a node above it (``skyrl.generator.sampling_params={...}``) was set on the CLI."""
-    parts = key.split(".")
-    return any(".".join(parts[:depth]) in cli for depth in range(1, len(parts) + 1))
-
-
-def skyrl_overrides(cfg: DictConfig, cli_overrides: Iterable[str] = ()) -> dict[str, Any]:
+def skyrl_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The flat ``{skyrl_key: value}`` dict for ``SkyRLTrainConfig.from_cli_overrides``.
 
-    ``cli_overrides`` are the run's command-line overrides (Hydra's ``overrides.task``); they only
-    decide precedence, their values are already in ``cfg``.
+    Raises ``ValueError`` naming both keys when a set SkyRL key disagrees with the key it follows.
     """
     skyrl_tree = select(cfg, "skyrl") or {}
     overrides = {key: value for key, value in flatten(skyrl_tree).items() if key}
-    cli = cli_keys(cli_overrides)
-
     for pair in BRIDGE:
-        skyrl_on_cli = on_cli(f"skyrl.{pair.skyrl}", cli)
-        rllm_on_cli = on_cli(pair.rllm, cli)
-        rllm_value = select(cfg, pair.rllm)
-        if skyrl_on_cli and not rllm_on_cli:
+        given = pair.given(cfg)
+        if given is None:  # the source is null: SkyRL's key, if set, or SkyRL's default
             continue
-        if rllm_value is None:  # rLLM's "backend default": keep SkyRL's value
-            continue
-        converted = pair.convert(rllm_value)
-        if skyrl_on_cli and rllm_on_cli and overrides.get(pair.skyrl) != converted:
-            raise ValueError(
-                f"conflicting overrides: {pair.rllm}={rllm_value!r} and skyrl.{pair.skyrl}="
-                f"{overrides.get(pair.skyrl)!r} set the same thing; drop one of them"
-            )
-        overrides[pair.skyrl] = converted
-
+        value = pair.skyrl_value(given)
+        if overrides.get(pair.skyrl) is not None and overrides[pair.skyrl] != value:
+            raise ValueError(disagreement(given, value, f"skyrl.{pair.skyrl}", overrides[pair.skyrl]))
+        overrides[pair.skyrl] = value
     algorithm = "trainer.algorithm."
-    # rLLM's kl_beta is a coefficient; SkyRL needs the loss switched on as well (it adds a ref model).
-    overrides[algorithm + "use_kl_loss"] = float(overrides.get(algorithm + "kl_loss_coef") or 0.0) > 0.0
-    if overrides.get(algorithm + "eps_clip_high") is None:
+    overrides.setdefault(algorithm + "use_kl_loss", _kl_on(overrides.get(algorithm + "kl_loss_coef") or 0))
+    if overrides.get(algorithm + "eps_clip_high") is None:  # symmetric clipping unless asked otherwise
         overrides[algorithm + "eps_clip_high"] = overrides.get(algorithm + "eps_clip_low", 0.2)
     _derive_batch_layout(cfg, overrides)
-    _derive_models(cfg, overrides)
+    _derive_models(overrides)
     return overrides
+
+
+def disagreement(given: dict[str, Any], converted: Any, skyrl_key: str, skyrl_value: Any) -> str:
+    """One line naming both sides of a pair that disagree, and the one to set."""
+    ours = ", ".join(f"{key}={value!r}" for key, value in given.items())
+    plain = list(given.values())
+    if converted != (plain[0] if len(plain) == 1 else plain):
+        ours += f" (SkyRL's {converted!r})"
+    keys = " and ".join(given)
+    return (
+        f"{ours} and {skyrl_key}={skyrl_value!r} set the same thing differently; set {keys} only "
+        f"({skyrl_key} follows {'it' if len(given) == 1 else 'them'})"
+    )
 
 
 def _derive_batch_layout(cfg: DictConfig, overrides: dict[str, Any]) -> None:
@@ -134,14 +166,13 @@ def _derive_batch_layout(cfg: DictConfig, overrides: dict[str, Any]) -> None:
         )
     overrides.setdefault("trainer.policy_mini_batch_size", batch // minibatches)
     overrides.setdefault("trainer.critic_mini_batch_size", batch // minibatches)
-    overrides.setdefault("trainer.update_epochs_per_batch", int(select(cfg, "training.update_epochs") or 1))
 
 
-def _derive_models(cfg: DictConfig, overrides: dict[str, Any]) -> None:
+def _derive_models(overrides: dict[str, Any]) -> None:
     """A critic exists exactly when the estimator needs one (GAE); a ref exists when KL is on."""
-    policy_path = overrides.get("trainer.policy.model.path")
+    policy_path = overrides.get(_POLICY + "model.path")
     if overrides.get("trainer.algorithm.advantage_estimator") == "gae":
-        overrides["trainer.critic.model.path"] = select(cfg, "model.critic_path") or policy_path
+        overrides.setdefault(_CRITIC + "model.path", policy_path)
     else:
-        overrides.pop("trainer.critic.model.path", None)
+        overrides.pop(_CRITIC + "model.path", None)
     overrides.setdefault("trainer.ref.model.path", policy_path)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rllm_skyrl.run_config.bridge import disagreement
+
 ALL_LINEAR = "all-linear"
 _POLICY = "trainer.policy.model.lora."
 # Substrings of a block's class name (lower case) that say what its linear layers do.
@@ -231,10 +233,18 @@ def _explicit_targets(cfg: Any, overrides: dict[str, Any]) -> str | tuple[str, .
     )
     if ours is not None and skyrl is not None and ours != skyrl:
         raise ValueError(
-            f"conflicting overrides: model.lora_target_modules={list(ours)!r} and "
-            f"skyrl.trainer.policy.model.lora.target_modules={skyrl!r} set the same thing; drop one of them"
+            disagreement(
+                {"model.lora_target_modules": _shown(ours)},
+                _shown(ours),
+                "skyrl.trainer.policy.model.lora.target_modules",
+                _shown(skyrl),
+            )
         )
     return ours if ours is not None else skyrl
+
+
+def _shown(targets: str | tuple[str, ...]) -> str | list[str]:
+    return targets if isinstance(targets, str) else list(targets)
 
 
 def _as_targets(key: str, value: Any) -> str | tuple[str, ...] | None:

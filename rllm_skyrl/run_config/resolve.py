@@ -1,8 +1,9 @@
 """The composed Hydra config -> one checked, immutable ``RunConfig``, section by section.
 
-Each section below reads its keys, refuses what cannot work with one line naming key, value and
-what is allowed, and returns its part of ``RunConfig``; the algorithm section lives in
-``algorithm``.
+``resolve_run_config`` reads the config's content only (see the package docstring for the rule
+between a key, its SkyRL counterpart and its aliases) and never changes it. Each section below
+reads its keys, refuses what cannot work with one line naming key, value and what is allowed, and
+returns its part of ``RunConfig``; the algorithm section lives in ``algorithm``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from omegaconf import DictConfig
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.algorithm import resolve_algorithm
-from rllm_skyrl.run_config.aliases import apply_aliases
+from rllm_skyrl.run_config.aliases import with_aliases
 from rllm_skyrl.run_config.lora import LoraSettings, resolve_lora
 from rllm_skyrl.run_config.model_paths import check_model_path, resolve_model_path
 from rllm_skyrl.run_config.settings import (
@@ -37,25 +38,19 @@ _POLICY_PATH = "trainer.policy.model.path"
 
 
 def resolve_run_config(
-    cfg: DictConfig,
-    cli_overrides: list[str] | tuple[str, ...] = (),
-    *,
-    platform: Platform | None = None,
-    resolve_models: bool = True,
+    cfg: DictConfig, *, platform: Platform | None = None, resolve_models: bool = True
 ) -> RunConfig:
     """Check and resolve everything a run needs from its config, before anything starts.
 
-    ``cli_overrides`` are the run's command-line overrides (they decide precedence between a key
-    and its counterpart, see ``bridge``). ``resolve_models=False`` keeps model names as given
-    (``rllm-skyrl plan`` describes a cluster whose model may not be on this machine).
-    Raises ``ConfigError`` naming the key to change.
+    ``resolve_models=False`` keeps model names as given (``rllm-skyrl plan`` describes a cluster
+    whose model may not be on this machine). Raises ``ConfigError`` naming the key to change.
     """
     platform = platform or Platform.detect()
     with _config_errors():
-        apply_aliases(cfg, cli_overrides)
+        cfg = with_aliases(cfg)
         check_values(cfg)
         algorithm = resolve_algorithm(cfg)
-    overrides, model_path, lora = _skyrl_keys(cfg, cli_overrides, platform, resolve_models)
+    overrides, model_path, lora = _skyrl_keys(cfg, platform, resolve_models)
     skyrl_cfg = _skyrl_config(overrides, platform)
     async_training, async_chunks = _async_training(cfg, skyrl_cfg)
     roles = roles_for(skyrl_cfg)
@@ -97,19 +92,20 @@ def _config_errors() -> Iterator[None]:
 
 
 def _skyrl_keys(
-    cfg: DictConfig, cli_overrides: list[str] | tuple[str, ...], platform: Platform, resolve_models: bool
+    cfg: DictConfig, platform: Platform, resolve_models: bool
 ) -> tuple[dict[str, Any], str, LoraSettings]:
     """SkyRL's dotted keys (``bridge``) with model names resolved and LoRA placed; the policy's model."""
     with _config_errors():
-        if not select(cfg, "model.path"):
+        overrides = bridge.skyrl_overrides(cfg)
+        if not overrides.get(_POLICY_PATH):
             raise ValueError(
                 "model.path is not set; pass model.path=<HF model dir> (or model.name=..., tiny, smollm2)"
             )
         if resolve_models:
-            for key in ("model.path", "model.critic_path"):
+            for source, role in (("model.path", "policy"), ("model.critic_path", "critic")):
+                skyrl_key = f"skyrl.trainer.{role}.model.path"
+                key = source if select(cfg, source) is not None else skyrl_key
                 check_model_path(key, select(cfg, key))
-        overrides = bridge.skyrl_overrides(cfg, cli_overrides)
-        if resolve_models:
             for role in ("policy", "ref", "critic"):
                 key = f"trainer.{role}.model.path"
                 if overrides.get(key):
@@ -143,9 +139,7 @@ def _skyrl_config(overrides: dict[str, Any], platform: Platform) -> Any:
     try:
         return make_skyrl_config(overrides, platform)
     except (ValueError, KeyError, TypeError) as error:
-        raise ConfigError(
-            f"invalid SkyRL settings (skyrl.* or the rllm.* keys bridged to them): {error}"
-        ) from error
+        raise ConfigError(f"invalid SkyRL settings (skyrl.* or the keys bridged to them): {error}") from error
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
@@ -203,7 +197,7 @@ def _rendering(cfg: DictConfig) -> RolloutSettings:
 
 
 def _checkpoint(cfg: DictConfig, skyrl_cfg: Any) -> CheckpointSettings:
-    """Where checkpoints go (SkyRL's ``ckpt_path``) and how a run resumes."""
+    """Where checkpoints go (SkyRL's ``ckpt_path``, which follows ``training.default_local_dir``)."""
     resume_mode = select(cfg, "training.resume_mode", "auto")
     if resume_mode not in RESUME_MODES:
         raise ConfigError(f"training.resume_mode={resume_mode!r}: choose one of {RESUME_MODES}")

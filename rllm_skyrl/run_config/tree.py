@@ -23,10 +23,3 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     for key, value in tree.items():
         flat.update(flatten(value, f"{prefix}{key}."))
     return flat
-
-
-def hydra_cli_overrides() -> list[str]:
-    """The command-line overrides of the running Hydra app (empty outside one)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
