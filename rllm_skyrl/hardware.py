@@ -1,8 +1,8 @@
 """CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
 
 Everything that differs between a GPU cluster and a laptop is answered by one ``Platform`` object,
-built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL patches live in
-``compat/``; this module only decides which of them apply.
+built once per run (``Platform.detect()``) and asked by everyone else. Which patch sets apply where
+is ``compat``'s table; this module holds the platform's facts and SkyRL settings.
 
 | question | CUDA | CPU |
 |---|---|---|
@@ -10,9 +10,9 @@ built once per run (``Platform.detect()``) and asked by everyone else. The SkyRL
 | weight sync (``weight_sync_method``) | SkyRL's own transfer | HF save + reload; LoRA: adapter files |
 | Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
 | priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
-| SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``cpu.CPU_CONFIG_OVERRIDES`` |
+| SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``CPU_CONFIG`` |
 | FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| SkyRL patches (``compat_patches``) | all but ``cpu``; the stub only without flash-attn | all nine |
+| patch sets (``compat.for_platform``) | bug fixes only | bug fixes, CPU enablement, speed |
 
 flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 
@@ -21,11 +21,11 @@ Servers given by URL (``inference.urls``) are used on either platform.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
-
-from rllm_skyrl import compat
-from rllm_skyrl.compat import flash_attn
 
 # Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at data-parallel
 # size 2 each. They only gate scheduling; nothing runs on them.
@@ -33,6 +33,37 @@ CPU_LOGICAL_GPUS = 8
 
 SERVER_KINDS = ("external", "skyrl_vllm", "cpu_transformers")
 SYNC_METHODS = ("skyrl", "disk", "lora")
+# The machine has no NVIDIA driver when none of these exist; torch then sees no CUDA device.
+NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
+
+# SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
+# (varlen-packed) micro-batches, which SkyRL only implements with flash-attn's kernels.
+NO_FLASH_ATTN_CONFIG: dict[str, object] = {
+    "trainer.flash_attn": False,
+    "trainer.remove_microbatch_padding": False,
+}
+# SkyRL config values that must hold on CPU: colocation relies on CUDA IPC and memory offload;
+# dataloader workers would fork Ray-initialised state.
+CPU_CONFIG: dict[str, object] = {
+    "trainer.placement.colocate_all": False,
+    "trainer.placement.colocate_policy_ref": False,
+    "trainer.use_expandable_segments": False,
+    "data.dataloader.num_workers": 0,
+}
+
+
+def has_nvidia_driver() -> bool:
+    """Whether this machine could have CUDA, asked without importing torch."""
+    return any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS)
+
+
+def flash_attn_installed() -> bool:
+    """Whether the real flash-attn is installed (an import stub, having no file, does not count)."""
+    module = sys.modules.get("flash_attn")
+    if module is not None:
+        return getattr(module, "__file__", None) is not None
+    spec = importlib.util.find_spec("flash_attn")
+    return spec is not None and spec.origin is not None
 
 
 @dataclass(frozen=True)
@@ -45,10 +76,10 @@ class Platform:
     @classmethod
     def detect(cls) -> Platform:
         """This machine: CUDA if torch sees a GPU; flash-attn if it is installed (never used on CPU)."""
-        from rllm_skyrl.compat import cpu  # imports torch, which a launcher starting Ray need not
+        import torch  # imported here: a launcher starting Ray need not pay for it
 
-        cuda = cpu.cuda_available()
-        return cls(cuda=cuda, flash_attn=cuda and flash_attn.available())
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, flash_attn=cuda and flash_attn_installed())
 
     @classmethod
     def gpu_cluster(cls) -> Platform:
@@ -94,6 +125,15 @@ class Platform:
             return {}
         return {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
 
+    def ray_init_args(self, num_cpus: int | None = None) -> dict[str, Any]:
+        """``ray.init`` arguments for a run's local Ray here (the runtime env aside): no dashboard,
+        no workers started ahead of need, and the resources and settings below."""
+        return {
+            "include_dashboard": False,
+            "_system_config": {"prestart_worker_first_driver": False, **self.ray_system_config()},
+            **self.ray_resources(num_cpus),
+        }
+
     def ray_system_config(self) -> dict[str, Any]:
         """Ray settings for a local start on this platform.
 
@@ -109,34 +149,7 @@ class Platform:
         """SkyRL config values this platform forces over the user's (they cannot work otherwise)."""
         overrides: dict[str, Any] = {}
         if not self.flash_attn:
-            overrides.update(flash_attn.CONFIG_OVERRIDES)
+            overrides.update(NO_FLASH_ATTN_CONFIG)
         if not self.cuda:
-            from rllm_skyrl.compat import cpu
-
-            overrides.update(cpu.CPU_CONFIG_OVERRIDES)
+            overrides.update(CPU_CONFIG)
         return overrides
-
-    @property
-    def compat_patches(self) -> tuple[str, ...]:
-        """The ``compat`` patch sets SkyRL needs here (in the driver and in every worker, but for
-        ``compat.DRIVER_ONLY``)."""
-        names = ["package_index", "lazy_imports", "registries_in_gcs"]
-        if not self.flash_attn:
-            names.append("flash_attn_stub")
-        if not self.cuda:
-            names.append("cpu")
-        return (*names, "tied_embeddings", "response_logits", "memory_snapshots", "single_rank_reductions")
-
-    def prepare_process(self) -> None:
-        """Make this process (the driver) able to import and drive SkyRL's workers."""
-        compat.apply(self.compat_patches)
-
-    def ray_runtime_env(self) -> dict[str, Any]:
-        """Runtime-env entries every Ray worker needs: the same patches (but the driver's own),
-        through Ray's set-up hook."""
-        return {
-            "worker_process_setup_hook": compat.SETUP_HOOK,
-            "env_vars": {
-                compat.ENV_VAR: ",".join(p for p in self.compat_patches if p not in compat.DRIVER_ONLY)
-            },
-        }

@@ -4,8 +4,9 @@ SkyRL's workers assume CUDA in a handful of places (process-group backend, devic
 meshes, ``torch.cuda.*`` device calls). On CPU those are the only obstacles besides
 the missing flash-attn (``compat/flash_attn.py``): the math is device-agnostic. This
 module is the one place that knows about them. ``apply()`` installs every patch, is
-idempotent, and does nothing when CUDA is available; ``Platform`` decides that it runs
-(``rllm_skyrl.compat.apply``) in the driver and in every Ray worker.
+idempotent, and does nothing when CUDA is available; ``compat``'s table applies it in the driver
+and in every Ray worker of a CPU run. The upstream change that retires it: a device setting in
+SkyRL's workers (``cpu`` beside ``cuda``, gloo beside NCCL), as torch's own FSDP examples have.
 
 No patch changes numerics: each one only redirects a device choice ("cuda" to
 "cpu") or turns a CUDA-only synchronisation into a no-op.
@@ -20,21 +21,6 @@ import functools
 import torch
 
 from rllm_skyrl.compat.patch import Patch
-
-# SkyRL config values that must hold on CPU (flash-attn's are in compat/flash_attn.py).
-# `placement.*` colocation relies on CUDA IPC and memory offload; dataloader workers
-# would fork Ray-initialised state.
-CPU_CONFIG_OVERRIDES: dict[str, object] = {
-    "trainer.placement.colocate_all": False,
-    "trainer.placement.colocate_policy_ref": False,
-    "trainer.use_expandable_segments": False,
-    "data.dataloader.num_workers": 0,
-}
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
 
 # --- the patches ---------------------------------------------------------------------------
 
@@ -151,7 +137,7 @@ _applied = False
 def apply() -> None:
     """Install every patch (once per process), only when CUDA is absent."""
     global _applied
-    if _applied or cuda_available():
+    if _applied or torch.cuda.is_available():
         return
     for patch in PATCHES:
         patch.install()

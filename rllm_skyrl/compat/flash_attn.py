@@ -7,32 +7,20 @@ so a CPU machine never has it and a CUDA machine only has it when the user added
 SkyRL runs with sdpa attention (``trainer.flash_attn=false``) and unpadded micro-batches off
 (``trainer.remove_microbatch_padding=false``, the only user of the stubbed helpers);
 ``Platform.skyrl_overrides`` sets both, this module only makes the import succeed.
+
+A bug fix, so it applies on CUDA too (without flash-attn): the upstream change that retires it is
+importing ``flash_attn.bert_padding`` in ``model_wrapper.py`` only where
+``remove_microbatch_padding`` uses it.
 """
 
 from __future__ import annotations
 
 import importlib.machinery
-import importlib.util
 import sys
 import types
 
 from rllm_skyrl.compat.patch import Patch
-
-# SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
-# (varlen-packed) micro-batches, which SkyRL only implements with flash-attn's kernels.
-CONFIG_OVERRIDES: dict[str, object] = {
-    "trainer.flash_attn": False,
-    "trainer.remove_microbatch_padding": False,
-}
-
-
-def available() -> bool:
-    """Whether the real flash-attn is installed (the stub, having no file, does not count)."""
-    module = sys.modules.get("flash_attn")
-    if module is not None:
-        return getattr(module, "__file__", None) is not None
-    spec = importlib.util.find_spec("flash_attn")
-    return spec is not None and spec.origin is not None
+from rllm_skyrl.hardware import flash_attn_installed
 
 
 def _unavailable(*_args, **_kwargs):
@@ -50,7 +38,7 @@ def _install_stub() -> None:
     working while transformers' availability check (it reads the distribution metadata) still
     reports flash-attn absent, so nothing selects flash-attention kernels by accident.
     """
-    if "flash_attn" in sys.modules or available():
+    if "flash_attn" in sys.modules or flash_attn_installed():
         return
     package = types.ModuleType("flash_attn")
     package.__path__ = []

@@ -1,7 +1,7 @@
 """Running chosen modules through our own step instead of their loader's ``exec_module``.
 
 Two patch sets need to act at the moment a third-party module is imported, wherever the import
-comes from: ``lazy_imports`` (the module is created, its code runs later) and ``package_index``
+comes from: ``lazy_imports`` (the module is created, its code runs later) and ``transformers_import_cache``
 (transformers' module runs, then one of its functions is wrapped before anyone binds it).
 """
 

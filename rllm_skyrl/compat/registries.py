@@ -168,7 +168,7 @@ def _registries_in_the_key_value_store() -> None:
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        "registries_in_gcs",
+        "registries",
         (  # the class's source, read from its file: unchanged once the methods are replaced
             _PPO_UTILS,
             "BaseFunctionRegistry",

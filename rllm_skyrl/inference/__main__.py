@@ -22,9 +22,9 @@ import signal
 import sys
 import threading
 
-from rllm_skyrl.compat import package_index
+from rllm_skyrl import compat
 
-package_index.apply()  # before transformers is imported (by the server's modules)
+compat.apply(["transformers_import_cache"])  # before transformers is imported (by the server's modules)
 
 import torch  # noqa: E402
 
