@@ -118,22 +118,22 @@ def run(
 
     Uses this package's trainer (rLLM's call order and types); the backend is the same class
     rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``. On a machine without an NVIDIA driver, Ray starts
-    in its own process first (``ray_head``), beside the imports of the trainer and its backend.
+    in its own process first (``compat.local_ray``), beside the imports of the trainer and its backend.
     """
-    from rllm_skyrl import ray_head
+    from rllm_skyrl.compat import local_ray
 
-    local = ray_head.launch_for_cpu_run()
+    local = local_ray.launch_for_cpu_run()
     try:
         return _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset)
     finally:
         if local is not None:  # the runtime stopped it already, unless the run ended before it started
-            ray_head.stop(local)
+            local_ray.stop(local)
 
 
 def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path:
     from rllm_skyrl import compat
 
-    compat.apply(["package_index", "lazy_imports"])  # before the backend's imports (see each set)
+    compat.prepare_imports()  # before the backend's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
     from rllm_skyrl.run_config import with_aliases
     from rllm_skyrl.run_log import read_metrics

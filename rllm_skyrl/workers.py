@@ -9,14 +9,11 @@ shutdown that leaves no actor behind.
 
 from __future__ import annotations
 
-import copy
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import ray
 
-from rllm_skyrl import worker_classes
+from rllm_skyrl import compat
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import roles_for
 
@@ -28,96 +25,6 @@ ROLES = ("policy", "critic", "ref")
 COLOCATED_GPU_SHARE = 0.2
 
 
-@dataclass
-class EarlyActor:
-    """Rank 0 of a role's group, created before SkyRL's actor group asks for it (``start_early``)."""
-
-    options: dict[str, Any]
-    kwargs: dict[str, Any]
-    handle: Any
-
-
-def start_early(cfg, roles: tuple[str, ...] | None = None) -> dict[str, EarlyActor]:
-    """Each role's first actor, created now with the options and arguments SkyRL's
-    ``PPORayActorGroup`` will give it, so that its process imports SkyRL and starts while this one
-    is still importing; ``SkyRLWorkers(early=...)`` hands them to SkyRL's groups.
-
-    Only groups whose first actor SkyRL places without a placement group (one GPU per node, not
-    colocated): the others are created by SkyRL, as ever. Needs Ray and no SkyRL import.
-    """
-    placement = cfg.trainer.placement
-    if placement.colocate_all:
-        return {}
-    early = {}
-    for role in roles or roles_for(cfg):
-        nodes = getattr(placement, f"{role}_num_nodes")
-        gpus_per_node = getattr(placement, f"{role}_num_gpus_per_node")
-        if gpus_per_node != 1:
-            continue
-        options = {"num_cpus": 1, "num_gpus": 1, "resources": None}
-        kwargs = {
-            "cfg": cfg.trainer,
-            "world_size": nodes * gpus_per_node,
-            "rank": 0,
-            "local_rank": 0,
-            "master_addr": None,
-            "master_port": None,
-            "sequence_parallel_size": getattr(cfg.trainer, role).sequence_parallel_size,
-            "record_memory": False,
-        }
-        handle = worker_classes.actor_class(role).options(**options).remote(**kwargs)
-        # A copy: the actor has the config as it was now, and a config changed since is not its.
-        early[role] = EarlyActor(options, copy.deepcopy(kwargs), handle)
-    return early
-
-
-def stop_early(early: dict[str, EarlyActor]) -> None:
-    """Stop early actors no ``SkyRLWorkers`` took (a start that failed before it)."""
-    for actor in early.values():
-        ray.kill(actor.handle, no_restart=True)
-
-
-class _ActorType:
-    """What SkyRL's ``PPORayActorGroup`` creates its actors from: the role's actor class, except
-    that the actor SkyRL asks for with exactly the early actor's options and arguments is that one."""
-
-    def __init__(self, role: str, early: EarlyActor | None) -> None:
-        self.role = role
-        self._class = worker_classes.actor_class(role)
-        self._early = early
-        self.adopted = False
-
-    def options(self, **options):
-        return _Creation(self, options)
-
-    def create(self, options: dict[str, Any], kwargs: dict[str, Any]):
-        early, self._early = self._early, None
-        if early is not None and (early.options, early.kwargs) == (options, kwargs):
-            self.adopted = True
-            return early.handle
-        if early is not None:
-            logger.warning(
-                "SkyRL asked for another %s worker than the one started early: stopped it", self.role
-            )
-            ray.kill(early.handle, no_restart=True)
-        return self._class.options(**options).remote(**kwargs)
-
-    def stop_unused(self) -> None:
-        """An early actor SkyRL did not ask for holds a GPU's worth of Ray resources: stop it."""
-        early, self._early = self._early, None
-        if early is not None:
-            ray.kill(early.handle, no_restart=True)
-
-
-class _Creation:
-    def __init__(self, actor_type: _ActorType, options: dict[str, Any]) -> None:
-        self._type = actor_type
-        self._options = options
-
-    def remote(self, **kwargs):
-        return self._type.create(self._options, kwargs)
-
-
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 
@@ -125,8 +32,7 @@ class SkyRLWorkers:
     what the config asks for (``run_config.roles_for``). With ``trainer.placement.colocate_all``
     the actors go into ``placement_group``, the one SkyRL's vLLM servers were started in
     (``runtime.colocated_placement_group``); SkyRL's dispatch then moves models on and off the
-    GPUs, and its weight transfer uses CUDA IPC. ``early``: first actors created before
-    (``start_early``); each goes to the group that asks for exactly it, and the rest are stopped.
+    GPUs, and its weight transfer uses CUDA IPC.
     """
 
     def __init__(
@@ -137,9 +43,10 @@ class SkyRLWorkers:
         roles: tuple[str, ...] | None = None,
         platform: Platform | None = None,
         placement_group=None,
-        early: dict[str, EarlyActor] | None = None,
     ):
+        compat.prepare_driver(platform or Platform.detect())  # before SkyRL's worker modules are imported
         from skyrl.backends.skyrl_train.utils.ppo_utils import sync_registries
+        from skyrl.backends.skyrl_train.workers.fsdp.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
         from skyrl.backends.skyrl_train.workers.worker import PPORayActorGroup
         from skyrl.backends.skyrl_train.workers.worker_dispatch import WorkerDispatch
 
@@ -154,15 +61,12 @@ class SkyRLWorkers:
                 "servers; start the run through rllm_skyrl.runtime.Runtime.start, or set "
                 "skyrl.trainer.placement.colocate_all=false"
             )
-        (platform or Platform.detect()).prepare_process()
 
         self.cfg = cfg
         self.tokenizer = None
         placement = cfg.trainer.placement
         roles = roles or roles_for(cfg)
-        early = dict(early or {})
-        actor_types = {role: _ActorType(role, early.pop(role, None)) for role in roles}
-        stop_early(early)  # started for a role this run does not train
+        actor_types = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
         self._groups: dict[str, PPORayActorGroup] = {}
         try:
             for role in roles:
@@ -176,13 +80,9 @@ class SkyRLWorkers:
                     colocate_all=colocated,
                     sequence_parallel_size=getattr(cfg.trainer, role).sequence_parallel_size,
                 )
-                actor_types[role].stop_unused()
-            self.early_roles = tuple(role for role, actor_type in actor_types.items() if actor_type.adopted)
             sync_registries()  # functions registered here reach the workers before they look one up
             self._init_models(total_training_steps)
         except BaseException:
-            for actor_type in actor_types.values():
-                actor_type.stop_unused()
             self.shutdown()
             raise
         self.dispatch = WorkerDispatch(

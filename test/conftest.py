@@ -56,7 +56,7 @@ def ray_cluster(tmp_path_factory):
     """One local Ray (with the CPU patches as worker hook) for the whole run."""
     import ray
 
-    from rllm_skyrl import ray_head
+    from rllm_skyrl.compat import local_ray
     from rllm_skyrl.run_config import make_skyrl_config
     from rllm_skyrl.runtime import start_ray
 
@@ -65,7 +65,7 @@ def ray_cluster(tmp_path_factory):
     yield
     if started:
         ray.shutdown()
-        ray_head.stop()
+        local_ray.stop()
 
 
 @pytest.fixture(scope="session")

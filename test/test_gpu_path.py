@@ -7,9 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import copy
-import gc
 import inspect
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -291,48 +289,20 @@ def stand_in_run(platform: Platform, colocated: bool, **fields) -> SimpleNamespa
     )
 
 
-def test_the_tokenizer_loads_while_the_workers_start(monkeypatch):
-    """Without a tokenizer given, ``Runtime.start`` loads it beside the workers' bring-up (which
-    waits here until the load has begun, so a load after the workers would never start) and then
-    hands it to them."""
-    loading = threading.Event()
-    events: list = []
-
-    def load_tokenizer(path):
-        events.append(("load", path, threading.current_thread() is threading.main_thread()))
-        loading.set()
-        return SimpleNamespace(pad_token_id=0, path=path)
-
-    class Workers:
-        def __init__(self, cfg, tokenizer, **kwargs):
-            events.append(("workers", tokenizer, loading.wait(timeout=30)))
-
-        def use_tokenizer(self, tokenizer):
-            events.append(("use", tokenizer.path))
-
-        def shutdown(self):
-            pass
-
-    monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
-    monkeypatch.setattr(runtime_module, "start_early", lambda cfg, roles: {})
-    monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
-    monkeypatch.setattr(runtime_module, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
-    monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    run = stand_in_run(Platform(cuda=False), colocated=False, model_path="model-dir")
-    runtime = runtime_module.Runtime.start(run, serve=False)
-    assert events == [("load", "model-dir", False), ("workers", None, True), ("use", "model-dir")]
-    assert runtime.tokenizer.path == "model-dir"
-
-
-@pytest.mark.parametrize("colocated", [False, True], ids=["separate", "colocated"])
-def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch, colocated):
+@pytest.mark.parametrize(
+    ("platform", "colocated"),
+    [(Platform(cuda=True), False), (Platform(cuda=True), True), (Platform(cuda=False), False)],
+    ids=["cuda-separate", "cuda-colocated", "cpu"],
+)
+def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch, platform, colocated):
+    """SkyRL's order (its trainer builds the inference client, then the models): colocated, the
+    shared placement group first and the servers in it; the workers; then the wait for servers
+    that loaded meanwhile. A failure after that stops what started, servers first."""
     events: list = []
     pg = SimpleNamespace(pg="raw-pg")
-    monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: False)
-    monkeypatch.setattr(runtime_module, "start_early", lambda cfg, roles: {})
+    monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: events.append("ray") or True)
+    monkeypatch.setattr(runtime_module, "load_tokenizer", lambda path: events.append("tokenizer") or "tok")
     monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
-    monkeypatch.setattr(Platform, "prepare_process", lambda self: events.append("patches"))
 
     class Servers:
         def wait_ready(self):
@@ -344,92 +314,35 @@ def test_runtime_starts_colocated_servers_first_in_the_shared_group(monkeypatch,
     monkeypatch.setattr(
         runtime_module,
         "start_servers",
-        lambda run, tok, placement_group=None: events.append(("servers", placement_group)) or Servers(),
+        lambda run, tok, placement_group=None: events.append(("servers", tok, placement_group)) or Servers(),
     )
 
     class Workers:
-        def __init__(self, *args, placement_group=None, **kwargs):
-            events.append(("workers", placement_group))
+        def __init__(self, cfg, tokenizer, placement_group=None, **kwargs):
+            events.append(("workers", tokenizer, placement_group))
 
         def shutdown(self):
             events.append("workers stopped")
 
-    monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
-    monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    run = stand_in_run(Platform(cuda=True), colocated, inference=SimpleNamespace(urls=None))
-    runtime = runtime_module.Runtime.start(run, tokenizer="tok")
-    if colocated:
-        assert events == ["patches", "pg", ("servers", pg), ("workers", pg), "servers ready"]
-        assert runtime.placement_group is pg
-    else:
-        assert events == ["patches", ("workers", None), ("servers", None), "servers ready"]
-
-
-def test_on_cpu_ray_starts_beside_the_imports_and_servers_launch_after_it(monkeypatch):
-    """Ray comes up in a thread while this process imports SkyRL's worker modules (the fake
-    imports wait for Ray to be starting: run one after the other they would time out), and that
-    thread creates the workers' early actors once Ray is up; the CPU servers launch once Ray is up,
-    before the workers, which get the early actors; what is alive is collected and frozen before
-    the wait for the servers (not at the first step, where it held up the start); and the thread
-    that started Ray lives until the runtime stops Ray, because Ray's daemons die with the thread
-    that started them."""
-    events: list = []
-    ray_starting = threading.Event()
-    ray_threads: list[threading.Thread] = []
-    early = {"policy": "early actor"}
-
-    def start_ray(*args, on_connected=None, **kwargs):
-        ray_threads.append(threading.current_thread())
-        ray_starting.set()
-        on_connected()
-        events.append("ray")
-        return True
-
-    def start_early(cfg, roles):
-        assert threading.current_thread() in ray_threads and roles == ("policy",)
-        return early
-
-    def prepare_process(self):
-        events.append(("imports beside ray", ray_starting.wait(timeout=30)))
-
-    class Servers:
-        def wait_ready(self):
-            events.append(("servers ready", gc.get_freeze_count() > 10_000))
-
-        def stop(self):
-            events.append("servers stopped")
-
-    class Workers:
-        def __init__(self, *args, **kwargs):
-            events.append(("workers", kwargs["early"] is early))
-
-        def shutdown(self):
-            events.append("workers stopped")
-
-    monkeypatch.setattr(runtime_module, "start_ray", start_ray)
-    monkeypatch.setattr(runtime_module, "start_early", start_early)
-    monkeypatch.setattr(Platform, "prepare_process", prepare_process)
-    launch = lambda run, tok: events.append("servers") or Servers()  # noqa: E731
-    monkeypatch.setattr(runtime_module, "start_servers", launch)
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
     monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
     monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: False)  # nothing to shut down
-    monkeypatch.setattr(runtime_module.ray_head, "stop", lambda *a: events.append("ray stopped"))
-    run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
-    gc.unfreeze()
-    try:
-        runtime = runtime_module.Runtime.start(run, tokenizer="tok")
-    finally:
-        gc.unfreeze()
-    assert sorted(events[:2], key=str) == [("imports beside ray", True), "ray"]
-    assert events[2:] == ["servers", ("workers", True), ("servers ready", True)]
-    assert runtime.owns_ray
-    (ray_thread,) = ray_threads
-    assert ray_thread is not threading.main_thread() and ray_thread.is_alive()
+    monkeypatch.setattr(runtime_module.local_ray, "stop", lambda *a: events.append("ray stopped"))
+    run = stand_in_run(platform, colocated, model_path="model-dir", inference=SimpleNamespace(urls=None))
+    runtime = runtime_module.Runtime.start(run)
+    group = pg if colocated else None
+    assert events == [
+        "ray",
+        "tokenizer",
+        *(["pg"] if colocated else []),
+        ("servers", "tok", group),
+        ("workers", "tok", group),
+        "servers ready",
+    ]
+    assert runtime.owns_ray and runtime.tokenizer == "tok"
+    events.clear()
     runtime.shutdown()
-    assert events[-1] == "ray stopped"  # the Ray it started
-    ray_thread.join(timeout=10)
-    assert not ray_thread.is_alive()
+    assert events == ["servers stopped", "workers stopped", "ray stopped"]
 
 
 def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start(monkeypatch):
@@ -443,7 +356,6 @@ def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start
     monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(runtime_module.ray, "shutdown", lambda: shut_down.append(True))
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
-    monkeypatch.setattr(Platform, "prepare_process", lambda self: None)
     never = lambda *a, **k: pytest.fail("workers after a failed Ray")  # noqa: E731
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", never)
     run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))

@@ -88,7 +88,7 @@ def test_local_ray_and_servers_refuse_strangers(tmp_path):
             name = item["name"]
             ray_process = name in ("raylet", "gcs_server", "python") or name.startswith("ray::")
             assert ray_process, item
-    # Ray's dashboard head and autoscaler monitor are not started (``ray_head``), so nothing serves
+    # Ray's dashboard head and autoscaler monitor are not started (``compat.local_ray``), so nothing serves
     # metrics openly on their ports, free or not; an HTTP listener of Ray's, if any, asks for the token.
     ports = {item["port"] for item in report["listeners"]}
     assert not ports & {DASHBOARD_METRIC_PORT, AUTOSCALER_METRIC_PORT}, report["listeners"]

@@ -258,7 +258,7 @@ def ray_ownership(monkeypatch):
     real_start = runtime.start_ray
     monkeypatch.setattr(runtime, "start_ray", lambda *a, **k: real_start(*a, **k) or True)
     monkeypatch.setattr(ray, "shutdown", lambda *a, **k: shutdowns.append("ray.shutdown"))
-    monkeypatch.setattr(runtime.ray_head, "stop", lambda *a: None)
+    monkeypatch.setattr(runtime.local_ray, "stop", lambda *a: None)
     return shutdowns
 
 

@@ -11,18 +11,17 @@ import pytest
 import torch
 from helpers import PAIRS, exported_weights, hf_logprobs, hf_state, sft_batch, skyrl_config
 
-from rllm_skyrl.workers import SkyRLWorkers, start_early
+from rllm_skyrl.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
-    """One rank, started early as a run starts it; ``rewind(policy)`` puts it back to its starting
-    weights and optimizer state."""
+    """One rank; ``rewind(policy)`` puts it back to its starting weights and optimizer state."""
     root = tmp_path_factory.mktemp("policy")
     cfg = skyrl_config(tiny_model_dir, root)
-    workers = SkyRLWorkers(cfg, tiny_tokenizer, early=start_early(cfg))
+    workers = SkyRLWorkers(cfg, tiny_tokenizer)
     workers.start_dir = root / "start"
     workers.save_checkpoint("policy", str(workers.start_dir))
     yield workers
@@ -32,19 +31,6 @@ def policy(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
 def rewind(workers: SkyRLWorkers) -> None:
     workers.optim_step("policy")  # drops gradients a failed test may have left accumulated
     workers.load_checkpoint("policy", str(workers.start_dir))
-
-
-def test_the_early_actor_is_the_groups_and_runs_skyrls_worker_class(policy):
-    """The actor created before SkyRL's group asked for it (from the stand-in class) is the group's
-    rank 0, and it is an instance of SkyRL's FSDP policy worker."""
-    import ray
-
-    assert policy.early_roles == ("policy",)
-    (actor,) = policy._groups["policy"]._actor_handlers
-    classes = ray.get(
-        actor.__ray_call__.remote(lambda worker: [c.__qualname__ for c in type(worker).__mro__])
-    )
-    assert classes[1:3] == ["FSDPPolicyWorkerBase", "PolicyWorkerBase"]
 
 
 def test_batch_layout_is_skyrls(tiny_tokenizer):

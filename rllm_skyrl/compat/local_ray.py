@@ -1,4 +1,8 @@
-"""A run's local Ray: the head node's daemons a run uses, in a process of its own.
+"""A CPU run's local Ray: the head node's daemons a run uses, in a process of its own.
+
+A patch set (``compat``'s ``local_ray``): it starts Ray's head ``Node`` through Ray's private
+classes, so it applies only to the Ray version it was verified on, and only on a machine without
+an NVIDIA driver and without a cluster to join; elsewhere ``runtime.start_ray`` calls ``ray.init``.
 
 ``ray.init`` on a machine without a cluster starts more than a run needs, and waits for it: the
 dashboard head (even with ``include_dashboard=False``, which only trims its modules; ``ray.init``
@@ -15,9 +19,10 @@ raylet has registered (see ``start_head``): 0.78 s on a quiet machine where ``ra
 wait made it 1.26 s, and at a run's start, with the driver importing beside it, the driver finds
 it up when it first asks (it waited 1.2 s for it before).
 
-``launch`` starts ``python -m rllm_skyrl.ray_head`` (the launcher does so at a run's first line,
-beside the driver's imports; ``runtime.start_ray`` when nothing was launched), which prints the
-GCS address once the node is up; drivers connect to it with the run's token and runtime env.
+``launch`` starts ``python -m rllm_skyrl.compat.local_ray`` (the launch function does so at a
+run's first line, beside the driver's imports; ``runtime.start_ray`` when nothing was launched),
+which prints the GCS address once the node is up; drivers connect to it with the run's token and
+runtime env.
 
 The process stops Ray when ``stop`` asks it to, or within half a second of the driver's end,
 however it ends: it polls its parent, which survives a SIGKILL where a parent-death signal would
@@ -50,8 +55,6 @@ PARENT_POLL_SECONDS = 0.5
 STOP_SECONDS = 30.0
 REGISTRATION_POLL_SECONDS = 0.02
 REGISTRATION_TIMEOUT_SECONDS = 30.0
-# The machine has no NVIDIA driver when none of these exist; torch then sees no CUDA device.
-NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 
 def token_env(token: str) -> dict[str, str]:
@@ -124,7 +127,7 @@ def launch(init_args: dict[str, Any]) -> LocalRay:
     """Start this run's local Ray in its own process with ``init_args`` for ``ray.init``."""
     global _launched
     token = secrets.token_urlsafe(32)
-    log_file = Path(tempfile.mkdtemp(prefix="rllm_skyrl_ray_")) / "ray_head.log"
+    log_file = Path(tempfile.mkdtemp(prefix="rllm_skyrl_ray_")) / "ray.log"
     env = {
         **os.environ,
         **token_env(token),
@@ -132,7 +135,7 @@ def launch(init_args: dict[str, Any]) -> LocalRay:
     }
     with open(log_file, "w") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "rllm_skyrl.ray_head", json.dumps(init_args), str(os.getpid())],
+            [sys.executable, "-m", __name__, json.dumps(init_args), str(os.getpid())],
             stdout=subprocess.PIPE,
             stderr=log,
             env=env,
@@ -143,31 +146,27 @@ def launch(init_args: dict[str, Any]) -> LocalRay:
     return _launched
 
 
-def launch_for_cpu_run() -> LocalRay | None:
-    """At a run's first line: this machine's Ray in its own process, where the run will want it.
+def wanted() -> bool:
+    """Whether a run here gets this Ray: no Ray up or named (``RAY_ADDRESS``), no NVIDIA driver
+    (so the platform is CPU, known without importing torch), and the set usable on this Ray.
+    Asks Ray only if this process imported it (importing it to ask takes half a second or more)."""
+    from rllm_skyrl import compat
+    from rllm_skyrl.hardware import has_nvidia_driver
 
-    Only where no Ray is up or named (``RAY_ADDRESS``), and the machine has no NVIDIA driver, so
-    the platform is CPU without asking torch; elsewhere ``start_ray`` starts Ray as before. Asks
-    Ray only if this process imported it (importing it to ask takes half a second or more).
-    """
     ray = sys.modules.get("ray")
     connected = ray is not None and ray.is_initialized()
-    if _launched is not None or connected or os.environ.get("RAY_ADDRESS"):
-        return None
-    if any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS):
+    if connected or os.environ.get("RAY_ADDRESS") or has_nvidia_driver():
+        return False
+    return bool(compat.usable(["local_ray"]))
+
+
+def launch_for_cpu_run() -> LocalRay | None:
+    """At a run's first line: this machine's Ray in its own process, where the run will want it."""
+    if _launched is not None or not wanted():
         return None
     from rllm_skyrl.hardware import Platform
 
-    return launch(local_init_args(Platform(cuda=False)))
-
-
-def local_init_args(platform, num_cpus: int | None = None) -> dict[str, Any]:
-    """The ``ray.init`` arguments of a run's local Ray on ``platform`` (the runtime env aside)."""
-    return {
-        "include_dashboard": False,
-        "_system_config": {"prestart_worker_first_driver": False, **platform.ray_system_config()},
-        **platform.ray_resources(num_cpus),
-    }
+    return launch(Platform(cuda=False).ray_init_args())
 
 
 def launched() -> LocalRay | None:
@@ -267,8 +266,12 @@ def _prompt_registration_wait(services) -> Iterator[None]:
         services.get_node = get_node
 
 
+def apply() -> None:
+    """Nothing to install in the driver: ``runtime.start_ray`` launches this Ray where ``wanted``."""
+
+
 def main() -> None:
-    """``python -m rllm_skyrl.ray_head INIT_ARGS_JSON PARENT_PID``: run Ray until told or orphaned."""
+    """``python -m rllm_skyrl.compat.local_ray INIT_ARGS_JSON PARENT_PID``: run Ray until told or orphaned."""
     init_args, parent = json.loads(sys.argv[1]), int(sys.argv[2])
     stopping = threading.Event()
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,5 +1,6 @@
-"""A run's local Ray in a process of its own: connected to, stopped, gone with its driver, refused
-when the run needs another. Each Ray runs in a fresh interpreter, apart from the suite's shared one.
+"""A CPU run's local Ray in a process of its own (``compat.local_ray``): connected to, stopped, gone
+with its driver, refused when the run needs another, and Ray's own ``ray.init`` where the set does
+not apply. Each Ray runs in a fresh interpreter, apart from the suite's shared one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import psutil
 import pytest
 from helpers import run_python, wait_until
 
-from rllm_skyrl import ray_head
+from rllm_skyrl import compat
+from rllm_skyrl.compat import local_ray
 from rllm_skyrl.hardware import Platform
 
 
@@ -27,10 +29,10 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
     outcome = run_python("""
         import json, os, signal, subprocess, sys
         import psutil, ray
-        from rllm_skyrl import ray_head
+        from rllm_skyrl.compat import local_ray
         from rllm_skyrl.run_config import make_skyrl_config
         from rllm_skyrl.runtime import start_ray
-        local = ray_head.launch_for_cpu_run()
+        local = local_ray.launch_for_cpu_run()
         local.address()
         os.kill(local.process.pid, signal.SIGINT)
         owned = start_ray(make_skyrl_config(), cpu_threads=1)
@@ -53,7 +55,7 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
         # Ray's workers are named ray::<actor class> or ray::IDLE; its two agents too
         result["daemons"] = sorted(n for n in names if not n.startswith("ray::") or n.endswith("Agent"))
         ray.shutdown()
-        ray_head.stop()
+        local_ray.stop()
         gone, alive = psutil.wait_procs(descendants, timeout=30)
         result["left"] = [p.pid for p in alive] + [local.process.pid] * (local.process.poll() is None)
         print(json.dumps(result))
@@ -89,9 +91,9 @@ def test_the_launched_ray_is_up_without_waiting_for_the_dashboard_agent(tmp_path
         """
         import glob, json, os, sys, time
         import psutil
-        from rllm_skyrl import ray_head
+        from rllm_skyrl.compat import local_ray
         started = time.monotonic()
-        local = ray_head.launch_for_cpu_run()
+        local = local_ray.launch_for_cpu_run()
         local.address()
         up = time.monotonic() - started
         children = psutil.Process(local.process.pid).children(recursive=True)
@@ -109,7 +111,7 @@ def test_the_launched_ray_is_up_without_waiting_for_the_dashboard_agent(tmp_path
         print(json.dumps({"up_before_agent": up < float(sys.argv[1]), "agent_alive": agent.is_running(),
                           "before": {k: v for k, (v, _) in before.items()},
                           "after": {k: v for k, (v, _) in after.items()}}))
-        ray_head.stop()
+        local_ray.stop()
         """,
         str(AGENT_DELAY_SECONDS),
         env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
@@ -130,7 +132,7 @@ def test_the_node_table_poll_only_shortens_rays_own_wait(monkeypatch):
     calls = []
     services = SimpleNamespace(get_node=lambda address, node_id: calls.append((address, node_id)) or "node")
     rays_lookup = services.get_node
-    with ray_head._prompt_registration_wait(services):
+    with local_ray._prompt_registration_wait(services):
         assert services.get_node("127.0.0.1:6379", "ab" * 28) == "node"
     assert calls == [("127.0.0.1:6379", "ab" * 28)]
     assert services.get_node is rays_lookup
@@ -142,8 +144,8 @@ def test_the_launched_ray_goes_with_a_driver_killed_by_sigkill(tmp_path):
     program = """
         import os, signal, sys
         import psutil
-        from rllm_skyrl import ray_head
-        local = ray_head.launch({"num_cpus": 1, "include_dashboard": False})
+        from rllm_skyrl.compat import local_ray
+        local = local_ray.launch({"num_cpus": 1, "include_dashboard": False})
         local.address()
         head = psutil.Process(local.process.pid)
         tree = [head.pid] + [p.pid for p in head.children(recursive=True)]
@@ -164,15 +166,11 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkeypatch):
-    """Launched for a CPU machine but the run's platform asks for other resources: start_ray
-    stops it, launches a Ray with the platform's arguments and connects to that one."""
+def _record_start_ray(monkeypatch, launched=None):
+    """``start_ray`` with Ray, the patch sets and the runtime env recorded instead of run."""
     from rllm_skyrl import runtime
 
-    stopped, launches, inits = [], [], []
-
-    class Launched:
-        init_args = ray_head.local_init_args(Platform(cuda=False))
+    calls = {"stopped": [], "launches": [], "inits": []}
 
     class Relaunched:
         token = "token"
@@ -180,30 +178,62 @@ def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkey
         def address(self):
             return "10.0.0.2:6379"
 
-    monkeypatch.setattr(ray_head, "launched", lambda: Launched())
-    monkeypatch.setattr(ray_head, "stop", lambda: stopped.append(True))
-    monkeypatch.setattr(ray_head, "launch", lambda init_args: launches.append(init_args) or Relaunched())
-    monkeypatch.setattr(ray_head, "require_token", lambda token=None: "token")
+    monkeypatch.setattr(local_ray, "launched", lambda: launched)
+    monkeypatch.setattr(local_ray, "stop", lambda: calls["stopped"].append(True))
+    monkeypatch.setattr(
+        local_ray, "launch", lambda init_args: calls["launches"].append(init_args) or Relaunched()
+    )
+    monkeypatch.setattr(local_ray, "require_token", lambda token=None: "token")
     monkeypatch.setattr(runtime.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: inits.append(kwargs))
+    monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: calls["inits"].append(kwargs))
     monkeypatch.setattr(runtime, "runtime_env_for", lambda *a, **k: {})
-    monkeypatch.setattr(runtime.compat, "apply", lambda names: None)
+    monkeypatch.setattr(runtime.compat, "prepare_driver", lambda platform: [])
     monkeypatch.setattr(runtime.stop_signals, "after_ray_init", lambda: None)
-    assert runtime.start_ray(None, platform=Platform(cuda=True, flash_attn=True)) is True
-    assert stopped == [True]
-    assert launches == [ray_head.local_init_args(Platform(cuda=True, flash_attn=True))]
-    assert "num_gpus" not in launches[0]  # its own Ray, with the GPUs Ray finds
-    (init,) = inits
+    return runtime, calls
+
+
+def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkeypatch):
+    """Launched with the CPU defaults but the run asks for other resources: start_ray stops it,
+    launches a Ray with the run's arguments and connects to that one."""
+
+    class Launched:
+        init_args = Platform(cuda=False).ray_init_args()
+
+    runtime, calls = _record_start_ray(monkeypatch, Launched())
+    assert runtime.start_ray(None, num_cpus=2, platform=Platform(cuda=False)) is True
+    assert calls["stopped"] == [True]
+    assert calls["launches"] == [Platform(cuda=False).ray_init_args(2)]
+    (init,) = calls["inits"]
     assert init["address"] == "10.0.0.2:6379"
 
 
-def test_no_ray_is_launched_where_a_gpu_driver_or_a_cluster_is(monkeypatch):
-    monkeypatch.setattr(ray_head, "launch", lambda init_args: pytest.fail("launched"))
-    monkeypatch.setattr(ray_head.os.path, "exists", lambda path: path == "/dev/nvidiactl")
-    assert ray_head.launch_for_cpu_run() is None
-    monkeypatch.setattr(ray_head.os.path, "exists", lambda path: False)
+def test_rays_own_init_where_the_local_ray_set_does_not_apply(monkeypatch):
+    """On CUDA, and on a CPU machine with a Ray the set was not verified on, the run's Ray is
+    ``ray.init``'s, with the platform's arguments."""
+    monkeypatch.setattr(compat, "_warned", set())
+    runtime, calls = _record_start_ray(monkeypatch)
+    assert runtime.start_ray(None, platform=Platform(cuda=True, flash_attn=True)) is True
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version", lambda name: "2.99.0" if name == "ray" else real(name))
+    assert runtime.start_ray(None, platform=Platform(cuda=False)) is True
+    assert calls["launches"] == []
+    cuda_init, cpu_init = calls["inits"]
+    assert "address" not in cuda_init and "num_gpus" not in cuda_init
+    assert cpu_init["num_gpus"] == Platform(cuda=False).ray_init_args()["num_gpus"]
+
+
+def test_no_ray_is_launched_where_a_gpu_driver_a_cluster_or_another_ray_version_is(monkeypatch):
+    monkeypatch.setattr(local_ray, "launch", lambda init_args: pytest.fail("launched"))
+    monkeypatch.setattr(local_ray.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    assert local_ray.launch_for_cpu_run() is None
+    monkeypatch.setattr(local_ray.os.path, "exists", lambda path: False)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert ray_head.launch_for_cpu_run() is None
+    assert local_ray.launch_for_cpu_run() is None
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(compat, "_warned", set())
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version", lambda name: "2.99.0" if name == "ray" else real(name))
+    assert local_ray.launch_for_cpu_run() is None
 
 
 def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
@@ -220,15 +250,15 @@ def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
             self.stopped = True
 
     theirs, ours = Launched(), Launched()
-    monkeypatch.setattr(ray_head, "_launched", theirs)
-    monkeypatch.setattr(ray_head, "launch_for_cpu_run", lambda: None)  # Ray is up: nothing launched
+    monkeypatch.setattr(local_ray, "_launched", theirs)
+    monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: None)  # Ray is up: nothing launched
     monkeypatch.setattr(launcher, "_run", lambda *args: "run dir")
     assert launcher.run(None, "Workflow") == "run dir"
     assert not theirs.stopped
 
-    monkeypatch.setattr(ray_head, "launch_for_cpu_run", lambda: ours)
+    monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: ours)
     launcher.run(None, "Workflow")
     assert ours.stopped and not theirs.stopped
-    assert ray_head.launched() is theirs
+    assert local_ray.launched() is theirs
     for launched in (theirs, ours):
         launched.process.kill()
