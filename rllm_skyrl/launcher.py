@@ -135,9 +135,9 @@ def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path
 
     compat.prepare_imports()  # before the backend's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.compat.output_masking import mask_process_output
     from rllm_skyrl.run_config import with_aliases
     from rllm_skyrl.run_log import read_metrics
-    from rllm_skyrl.secret_masking import mask_process_output
     from rllm_skyrl.standalone import UnifiedTrainer
 
     mask_process_output()
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     args = parser.parse_args(argv)
-    from rllm_skyrl.secret_masking import mask_process_output
+    from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
     if args.command == "plan":

@@ -95,10 +95,10 @@ class SkyRLTrainerLauncher:
         the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
         """
         unified = require("rllm", _TRAINER_MODULE)
+        from rllm_skyrl.compat.output_masking import mask_process_output
         from rllm_skyrl.launcher import clean_stop, finish_run, one_line_errors, quiet_libraries
         from rllm_skyrl.run_config import with_aliases
         from rllm_skyrl.run_log import mirror_logger
-        from rllm_skyrl.secret_masking import mask_process_output
 
         mask_process_output(OmegaConf.to_container(self.config, resolve=False))
         quiet_libraries()

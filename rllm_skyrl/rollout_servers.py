@@ -36,9 +36,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from rllm_skyrl.compat import output_masking
 from rllm_skyrl.inference.middleware import TOKEN_ENV
 from rllm_skyrl.run_config import RunConfig
-from rllm_skyrl.secret_masking import install_secret_masking, is_secret_key
+from rllm_skyrl.secret_masking import is_secret_key
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ def launch_cpu_servers(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
-    install_secret_masking([token])
+    output_masking.mask([token])
     owns_root = weights_root is None
     root = Path(tempfile.mkdtemp(prefix="rllm-skyrl-weights-")) if owns_root else Path(weights_root)
     group = ServerGroup(urls=[], token=token, weights_root=root, owns_weights_root=owns_root)

@@ -4,20 +4,19 @@ Secret-looking keys (``api_key``, ``HF_TOKENS``, ``clientSecret``, ``GITHUB_PAT`
 ``authorization``...) lose their values in config dumps, and the values of secret environment
 variables and secret config keys, as well as passwords in URLs (``https://user:pass@host``), are
 masked wherever they appear: log records (std ``logging`` and loguru), anything written to the
-console (progress bars included) and uncaught tracebacks once ``mask_process_output`` runs (entry
-points call it first thing), and Hydra's ``.hydra/*.yaml`` and ``multirun.yaml`` files.
+console (progress bars included) and uncaught tracebacks once ``compat.output_masking`` hooks
+``MASKER`` into the process (entry points call ``output_masking.mask_process_output`` first thing),
+and Hydra's ``.hydra/*.yaml`` and ``multirun.yaml`` files.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = {
@@ -151,78 +150,8 @@ class SecretMasker(logging.Filter):
         return True
 
 
-_MASKER = SecretMasker()
-
-
-def install_secret_masking(values: Iterable[str]) -> SecretMasker:
-    """Mask ``values`` in every log record this process emits from now on (logging and loguru)."""
-    _MASKER.add(values)
-    handlers = list(logging.getLogger().handlers)
-    if logging.lastResort is not None:
-        handlers.append(logging.lastResort)
-    for handler in handlers:
-        if _MASKER not in handler.filters:
-            handler.addFilter(_MASKER)
-    try:
-        from loguru import logger as loguru_logger
-
-        def patch(record: dict) -> None:
-            record["message"] = _MASKER.mask(record["message"])
-
-        loguru_logger.configure(patcher=patch)
-    except ImportError:
-        pass
-    return _MASKER
-
-
-class _MaskedStream(io.TextIOBase):
-    """A console stream that masks secrets in whatever passes through it (tqdm's bar included)."""
-
-    def __init__(self, stream: TextIO, masker: SecretMasker) -> None:
-        self._stream = stream
-        self._masker = masker
-
-    def write(self, text: str) -> int:
-        self._stream.write(self._masker.mask(text))
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._stream, "encoding", "utf-8")
-
-    def __getattr__(self, name: str) -> Any:  # anything else (``buffer``, ``errors``...) is the stream's
-        return getattr(self._stream, name)
-
-
-def mask_process_output(config: Any = None) -> SecretMasker:
-    """From now on, mask the environment's (and ``config``'s) secrets in everything this process
-    prints: log records, the console streams and uncaught tracebacks. Idempotent."""
-    masker = install_secret_masking(secret_values(config))
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if not isinstance(stream, _MaskedStream):
-            setattr(sys, name, _MaskedStream(stream, masker))
-    if not getattr(sys.excepthook, "masks_secrets", False):
-        original = sys.excepthook
-
-        def excepthook(kind, value, traceback) -> None:
-            import traceback as tb
-
-            sys.stderr.write(masker.mask("".join(tb.format_exception(kind, value, traceback))))
-
-        excepthook.masks_secrets = True
-        excepthook.original = original
-        sys.excepthook = excepthook
-    return masker
+# The process's masker: what it holds is masked wherever ``compat.output_masking`` hooked it in.
+MASKER = SecretMasker()
 
 
 def scrub_hydra_outputs(masker: SecretMasker) -> None:

@@ -43,7 +43,7 @@ PROCESS = textwrap.dedent(
     """
     import logging, sys
     from tqdm import tqdm
-    from rllm_skyrl.secret_masking import mask_process_output
+    from rllm_skyrl.compat.output_masking import mask_process_output
     mask_process_output()
     secret = sys.argv[1]
     print(f"printed {secret}")
@@ -76,12 +76,13 @@ def test_everything_a_process_prints_is_masked_from_the_start():
 APP = textwrap.dedent(
     """
     import hydra
-    from rllm_skyrl.secret_masking import install_secret_masking, scrub_hydra_outputs, secret_values
+    from rllm_skyrl.compat.output_masking import mask_process_output
+    from rllm_skyrl.secret_masking import scrub_hydra_outputs
     from omegaconf import OmegaConf
 
     @hydra.main(config_path=None, config_name=None, version_base=None)
     def main(cfg):
-        scrub_hydra_outputs(install_secret_masking(secret_values(OmegaConf.to_container(cfg))))
+        scrub_hydra_outputs(mask_process_output(OmegaConf.to_container(cfg)))
 
     main()
     """

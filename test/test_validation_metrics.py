@@ -198,12 +198,8 @@ def test_masking_covers_log_records_loguru_argv_and_hydra_yaml(capsys):
 
     from loguru import logger as loguru_logger
 
-    from rllm_skyrl.secret_masking import (
-        REDACTED,
-        SecretMasker,
-        _redact_yaml_line,
-        install_secret_masking,
-    )
+    from rllm_skyrl.compat import output_masking
+    from rllm_skyrl.secret_masking import REDACTED, SecretMasker, _redact_yaml_line
 
     secret = "hf_unit_test_secret_value"
     masker = SecretMasker([secret])
@@ -221,7 +217,7 @@ def test_masking_covers_log_records_loguru_argv_and_hydra_yaml(capsys):
     assert _redact_yaml_line("  max_tokens: 64\n") == "  max_tokens: 64\n"
     assert _redact_yaml_line("  hf_token: null\n") == "  hf_token: null\n"
 
-    install_secret_masking([secret])
+    output_masking.mask([secret])
     sink = loguru_logger.add(sys.stderr, format="{message}")
     try:
         loguru_logger.info(f"Exporting `HF_TOKEN` to ray runtime env: {secret}")

@@ -24,10 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from rllm_skyrl.compat import output_masking
 from rllm_skyrl.metrics import KL_KEYS
 from rllm_skyrl.plot import plot_run
 from rllm_skyrl.run_log import MetricsFile
-from rllm_skyrl.secret_masking import install_secret_masking, redact, scrub_hydra_outputs, secret_values
+from rllm_skyrl.secret_masking import redact, scrub_hydra_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Tracking:
         self.metrics_path = self.metrics.path
         self.plot = plot
         config = dict(config or {})
-        self.masker = install_secret_masking(secret_values(config))
+        self.masker = output_masking.mask_process_output(config)
         safe_config = self.masker.mask_tree(redact(config))
         (self.run_dir / "config.json").write_text(json.dumps(safe_config, indent=2, default=str))
         scrub_hydra_outputs(self.masker)
