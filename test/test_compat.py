@@ -215,3 +215,70 @@ def test_the_verified_skyrl_still_has_what_each_patch_changes(patch):
         f"{module_name}{'.' + attribute if attribute else ''} no longer contains {marker!r}: "
         f"SkyRL changed; check whether patch {patch.name!r} is still needed and update or remove it."
     )
+
+
+# --------------------------------------------------------------------------- a run on another SkyRL
+
+UNVERIFIED_SKYRL_RUN = """
+    import json, runpy, sys
+    from rllm_skyrl import compat
+    real = compat.installed_version
+    compat.installed_version = lambda name: "0.4.99" if name == "skyrl" else real(name)
+    sys.argv = ["train", *sys.argv[1:]]
+    try:
+        runpy.run_module("examples.simple_math.train", run_name="__main__")
+    except SystemExit as stop:
+        assert not stop.code, stop.code
+    print(json.dumps({"applied": sorted(compat.applied())}))
+"""
+
+
+def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict, list[dict], str]:
+    """The quickstart, with the installed SkyRL pretending to be a version no set was verified on."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(UNVERIFIED_SKYRL_RUN),
+            f"rllm.trainer.total_batches={steps}",
+            "rllm.trainer.test_freq=0",
+            f"hydra.run.dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "RLLM_SKYRL_LOG_LEVEL": "WARNING"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return json.loads(result.stdout.strip().splitlines()[-1]), records, result.stdout + result.stderr
+
+
+SKIPPED_ON_ANOTHER_SKYRL = ("lazy_imports", "registries", "response_logits", "single_rank_reductions")
+
+
+def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(tmp_path):
+    """Each SkyRL speed set is skipped with one warning; the trainer then runs SkyRL's own forward,
+    whose log-probs still match the server's."""
+    outcome, records, output = quickstart_on_an_unverified_skyrl(tmp_path, steps=3)
+    assert not set(SKIPPED_ON_ANOTHER_SKYRL) & set(outcome["applied"])
+    assert {"cpu", "flash_attn_stub", "tied_embeddings"} <= set(outcome["applied"])
+    for name in SKIPPED_ON_ANOTHER_SKYRL:
+        assert output.count(f"patch set '{name}' was verified on") == 1, (name, output[-3000:])
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert max(r["train/logprob_abs_diff/max"] for r in records) < 1e-3
+
+
+@pytest.mark.slow
+def test_the_quickstart_learns_on_an_unverified_skyrl(tmp_path):
+    _, records, _ = quickstart_on_an_unverified_skyrl(tmp_path, steps=150)
+    rewards = [r["reward/mean"] for r in records]
+    assert sum(rewards[:10]) / 10 <= 0.3 and sum(rewards[-10:]) / 10 >= 0.8, rewards
