@@ -3,10 +3,11 @@
 Each side runs in its own fresh process on the same machine and appends one JSON record per step
 to a file that this script follows as it grows: this package's ``metrics.jsonl`` (the command
 ``./scripts/train.sh`` runs: ``python -m examples.simple_math.train``), and TRL's records written
-by ``bench/trl_grpo.py`` (a ``TrainerCallback``; TRL runs in its own environment, see
-``--trl-python``). Both train the same tiny model (built once, from the cache) on the same digit
-task: 16 prompts x 32 samples per step, 2 new tokens, temperature 1, top_p 1, AdamW lr 1e-3,
-grad clip 1.0, no KL, token-mean loss (``bench/trl_grpo.py`` lists how each setting maps to TRL).
+by ``bench/trl_grpo.py`` (a ``TrainerCallback``; TRL comes with the ``bench`` extra,
+``pip install -e '.[bench]'``, or ``--trl-python`` names another interpreter that has it). Both
+train the same tiny model (built once, from the cache) on the same digit task: 16 prompts x 32
+samples per step, 2 new tokens, temperature 1, top_p 1, AdamW lr 1e-3, grad clip 1.0, no KL,
+token-mean loss (``bench/trl_grpo.py`` lists how each setting maps to TRL).
 
 Printed per side: the 10-step mean reward every 10 steps, the step at which it first reaches 0.8,
 the wall time from process start to that step's end, the CPU time the side's processes used up to
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +38,13 @@ from bench.records import Side, follow
 from rllm_skyrl.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TRL_PYTHON = os.environ.get("TRL_PYTHON", "/work/venvs/trl/bin/python")
+
+
+def require_trl(python: str) -> None:
+    """Stop with the install command when ``python`` cannot import TRL."""
+    found = subprocess.run([python, "-c", "import trl"], capture_output=True).returncode == 0
+    if not found:
+        sys.exit(f"error: TRL is not installed for {python}; run: pip install -e '.[bench]'")
 
 
 def trailing_means(values: list[float], window: int) -> list[float | None]:
@@ -211,7 +219,9 @@ def main() -> None:
         help="run both sides once per seed, each reproducible from it, and compare over the seeds "
         "(default: one run each, as configured: seed 0 on both sides)",
     )
-    parser.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON, help="interpreter with trl installed")
+    parser.add_argument(
+        "--trl-python", default=sys.executable, help="interpreter with trl installed (default: this one)"
+    )
     parser.add_argument(
         "--trl-threads", type=int, default=None, help="torch threads for TRL (default: torch's, one per core)"
     )
@@ -219,6 +229,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per side")
     parser.add_argument("--out", type=Path, default=None, help="keep logs and records here")
     args = parser.parse_args()
+    if "trl" in args.sides:
+        require_trl(args.trl_python)
 
     root_out = args.out or Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     root_out.mkdir(parents=True, exist_ok=True)

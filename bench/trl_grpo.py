@@ -1,8 +1,8 @@
 """The quickstart workload under TRL's ``GRPOTrainer``: the baseline side of ``bench_vs_trl``.
 
-Runs in its own interpreter (TRL lives in a separate environment: ``pip install -e '.[bench]'``
-there) and appends one JSON record per optimizer step to ``--records``, the way this package's
-``metrics.jsonl`` grows: ``step``, ``reward/mean``, ``time/step`` (step begin to step end),
+Runs in its own process (TRL comes with the ``bench`` extra: ``pip install -e '.[bench]'``) and
+appends one JSON record per optimizer step to ``--records``, the way this package's ``metrics.jsonl``
+grows: ``step``, ``reward/mean``, ``time/step`` (step begin to step end),
 ``time/generate`` (sampling and scoring, inside the step) and ``wall`` (``time.time()`` at the
 step's end). The first record also carries ``time/startup/process_to_first_step``, measured like
 the package's own: from this process's creation to the first step's start.
