@@ -1,7 +1,7 @@
 """Tinker loss names and configs -> what SkyRL's workers take, with the role check in one place.
 
-Tinker names: ``ppo``, ``importance_sampling``, ``cispo``, ``dppo``, ``cross_entropy`` (policy) and
-``ppo_critic`` (critic). ``resolve_loss`` is used by both ``forward`` and ``forward_backward``.
+Tinker names: ``ppo``, ``importance_sampling``, ``cispo``, ``dppo``, ``gspo``, ``cross_entropy``
+(policy) and ``ppo_critic`` (critic). ``resolve_loss`` is used by both ``forward`` and ``forward_backward``.
 
 Facts from SkyRL 0.4 this table encodes (``skyrl/backends/skyrl_train/utils/ppo_utils.py``):
 
@@ -9,7 +9,10 @@ Facts from SkyRL 0.4 this table encodes (``skyrl/backends/skyrl_train/utils/ppo_
   ``regular``/``dual_clip`` and switches to dual clip on it, so every policy config pins
   ``policy_loss_type`` to the loss asked for, whatever ``trainer.algorithm.policy_loss_type`` says.
 - Tinker clip thresholds are absolute ratio bounds (0.8, 1.2); SkyRL's are offsets from 1
-  (``eps_clip_low=0.2``, ``eps_clip_high=0.2``). ``cispo`` reads its own nested offsets
+  (``eps_clip_low=0.2``, ``eps_clip_high=0.2``). ``gspo`` clips a sequence-level ratio (the
+  geometric mean of the token ratios) with the same offsets as ``ppo``, and is written for
+  ``sequence_mean`` reduction (``loss_reduction`` in its config, which SkyRL's loss checks).
+  ``cispo`` reads its own nested offsets
   (``cispo.cispo_eps_clip_low/high``); ``dppo`` masks by probability divergence
   (``dppo.delta_low/high``, ``dppo.dppo_type``) and has no ratio clip. ``importance_sampling`` and
   ``cross_entropy`` read nothing. The worker merges ``loss_fn_config`` into its ``AlgorithmConfig``
@@ -47,6 +50,7 @@ class _LossSpec:
     role: str
     options: Mapping[str, _Option] = field(default_factory=dict)
     uses_advantages: bool = True
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # SkyRL settings the loss is written for
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,15 @@ _LOSSES: dict[str, _LossSpec] = {
         },
     ),
     "importance_sampling": _LossSpec("importance_sampling", POLICY),
+    "gspo": _LossSpec(
+        "gspo",
+        POLICY,
+        {
+            "clip_low_threshold": _Option(("eps_clip_low",), _low_threshold_to_offset),
+            "clip_high_threshold": _Option(("eps_clip_high",), _high_threshold_to_offset),
+        },
+        fixed={"loss_reduction": "sequence_mean"},
+    ),
     "cispo": _LossSpec(
         "cispo",
         POLICY,
@@ -191,6 +204,7 @@ def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | No
     name = _check_role(role, loss_fn)
     spec = _LOSSES[name]
     skyrl_config: dict[str, Any] = {} if spec.skyrl_name is None else {"policy_loss_type": spec.skyrl_name}
+    skyrl_config.update(spec.fixed)
     for key, value in (loss_fn_config or {}).items():
         option = spec.options.get(key)
         if option is None:

@@ -34,6 +34,14 @@ ACCEPTED = [
     ("policy", "ppo", {"clip_high_threshold": 1.28}, "regular", {"eps_clip_high": 0.28, "eps_clip_low": 0.2}),
     ("policy", "ppo", {"clip_low_threshold": 0.0}, "regular", {"eps_clip_low": 1.0}),
     ("policy", "importance_sampling", {}, "importance_sampling", {"policy_loss_type": "importance_sampling"}),
+    ("policy", "gspo", None, "gspo", {"policy_loss_type": "gspo", "loss_reduction": "sequence_mean"}),
+    (
+        "policy",
+        "gspo",
+        {"clip_low_threshold": 0.9997, "clip_high_threshold": 1.0004},
+        "gspo",
+        {"eps_clip_low": 0.0003, "eps_clip_high": 0.0004},
+    ),
     ("policy", "cispo", None, "cispo", {"cispo.cispo_eps_clip_low": 1.0, "cispo.cispo_eps_clip_high": 4.0}),
     (
         "policy",
@@ -79,7 +87,8 @@ REJECTED = [
     ("critic", "cross_entropy", None, ["critic trains with"]),
     ("policy", "ppo_critic", None, ["use it on the critic", "importance_sampling"]),
     ("ref", "ppo", None, ["unknown model role 'ref'"]),
-    ("policy", "grpo", None, ["unknown loss_fn 'grpo'", "cispo", "ppo_critic"]),
+    ("policy", "grpo", None, ["unknown loss_fn 'grpo'", "cispo", "gspo", "ppo_critic"]),
+    ("policy", "gspo", {"delta_low": 0.1}, ["clip_low_threshold", "clip_high_threshold"]),
 ]
 
 
@@ -118,7 +127,15 @@ def test_rejected_requests_say_what_is_accepted(role, loss_fn, config, fragments
 
 
 def test_tables_cover_every_name_and_key():
-    assert set(LOSS_NAMES) == {"ppo", "importance_sampling", "cispo", "dppo", "cross_entropy", "ppo_critic"}
+    assert set(LOSS_NAMES) == {
+        "ppo",
+        "importance_sampling",
+        "cispo",
+        "dppo",
+        "gspo",
+        "cross_entropy",
+        "ppo_critic",
+    }
     accepted_names = {loss_fn for _, loss_fn, *_ in ACCEPTED}
     assert accepted_names == set(LOSS_NAMES)
     used_keys = {(loss_fn, key) for _, loss_fn, config, *_ in ACCEPTED for key in (config or {})}
@@ -132,7 +149,7 @@ def test_advantage_use_is_reported():
     assert not resolve_loss("critic", "ppo").uses_advantages
     assert all(
         resolve_loss("policy", name).uses_advantages
-        for name in ("ppo", "importance_sampling", "cispo", "dppo")
+        for name in ("ppo", "importance_sampling", "cispo", "dppo", "gspo")
     )
 
 
@@ -202,3 +219,27 @@ def test_critic_value_clip_reaches_skyrl_critic_loss(value_clip, expected):
         values_BT, old_values_BT, returns_BT, config=algorithm, loss_mask=torch.ones(1, 1)
     )
     assert loss.item() == pytest.approx(expected)
+
+
+def test_gspo_clips_the_sequence_ratio_where_ppo_clips_each_token():
+    """Two tokens of one sequence, one pushed far up and one down: PPO clips the first token alone;
+    GSPO weighs both by the sequence's geometric-mean ratio, inside the bounds here, so neither is."""
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    old_BT = torch.tensor([[-1.0, -1.0]])
+    new_BT = old_BT + torch.tensor([[math.log(1.5), math.log(0.8)]])  # geometric mean sqrt(1.2) ~ 1.095
+    advantages_BT = torch.ones(1, 2)
+    losses = {}
+    for loss_fn in ("ppo", "gspo"):
+        resolved = resolve_loss("policy", loss_fn, config)
+        loss, metrics = PolicyLossRegistry.get(resolved.skyrl_loss_name)(
+            new_BT.clone().requires_grad_(),
+            old_BT,
+            advantages_BT,
+            config=merged_algorithm_config(resolved.skyrl_config),
+            loss_mask=torch.ones(1, 2),
+            rollout_logprobs=old_BT,
+        )
+        losses[loss_fn] = (loss.item(), metrics["clip_ratio"])
+    sequence_ratio = math.sqrt(1.5 * 0.8)
+    assert losses["ppo"] == pytest.approx((-(1.2 + 0.8), 0.5), rel=1e-5)  # token 1 clipped at 1.2
+    assert losses["gspo"] == pytest.approx((-2 * sequence_ratio, 0.0), rel=1e-5)
