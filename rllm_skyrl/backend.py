@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rllm_skyrl import advantages as adv
 from rllm_skyrl import rllm_api
 from rllm_skyrl.batch_layout import stack_rows
-from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, failure_report
+from rllm_skyrl.checkpoint import CheckpointManager, failure_report
 from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.metrics import StepMetrics
 from rllm_skyrl.policy_update import PolicyUpdate
@@ -72,8 +72,6 @@ class SkyRLBackend:
         self.metrics = StepMetrics()
         self._algorithm_config: Any = None
         self._update: PolicyUpdate | None = None
-        self._lock: CheckpointLock | None = None
-        self._resume_from = None
         self._updated = False
         self._last_trained_step: int | None = None
         self.resumed_step: int | None = None  # the checkpointed step on_train_start resumed from
@@ -97,33 +95,17 @@ class SkyRLBackend:
                 OmegaConf.update(self.config, key, value, merge=False, force_add=True)
 
     def init_rollout_engine(self, **kwargs: Any):
-        """Start Ray, the training workers and the inference servers; return the rollout engine."""
-        from rllm_skyrl.engine import SkyRLEngine
-
+        """Start the run (``Runtime.start``: checkpoint directory, Ray, servers, workers); return the
+        rollout engine. A failure part-way leaves nothing running."""
         self._algorithm_config = kwargs.get("algorithm_config")
         run = self.run.for_total_steps(kwargs.get("total_training_steps") or 1)
         self.run = run.with_algorithm_config(self._algorithm_config)
-        resume = self.run.checkpoint
-        # Before anything expensive: this run owns its checkpoint directory, and what it would
-        # resume from is readable.
-        self._lock = CheckpointLock(resume.root).acquire()
-        self.checkpoints = CheckpointManager(
-            resume.root, None, resume.max_to_keep, roles=self.run.trained_roles
-        )
+        self.runtime = Runtime.start(self.run)
+        SkyRLBackend._running.add(self)
+        self.checkpoints = self.runtime.checkpoints
+        self.tokenizer = self.runtime.tokenizer
+        self.rollout_engine = self.runtime.engine
         try:
-            self._resume_from = self.checkpoints.validate(resume.resume_mode, resume.resume_from_path)
-        except BaseException:
-            self._lock.release()
-            raise
-        try:  # a failure part-way must not leave Ray, workers or servers behind
-            self.runtime = Runtime.start(self.run)
-            SkyRLBackend._running.add(self)
-            self.checkpoints.workers = self.runtime.workers
-            self.tokenizer = self.runtime.tokenizer
-            for role in self.run.trained_roles:  # model ids are the role names
-                self.runtime.models.create_model(role, model_role=role)
-            self.rollout_engine = SkyRLEngine.for_servers(self.runtime.servers, self.tokenizer, self.run)
-            self.runtime.connect_weight_sync(self.rollout_engine.client)
             self._update = PolicyUpdate(
                 self.run, self.runtime.models, self.runtime.workers.dp_size("policy"), self.metrics
             )
@@ -253,6 +235,7 @@ class SkyRLBackend:
             mode=resume.resume_mode,
             path=resume.resume_from_path,
             trainer_state=trainer_state,
+            workers=self.runtime.workers,
         )
         self._last_trained_step = self.resumed_step = resumed
         if resumed is not None or self.run.lora.enabled:  # a LoRA policy is served once it is synced
@@ -292,7 +275,7 @@ class SkyRLBackend:
             save_freq = self.run.checkpoint.save_freq
             if save_freq > 0 and step % save_freq == 0:
                 with self.metrics.timed("save_checkpoint"):
-                    await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
+                    await asyncio.to_thread(self.checkpoints.save, step, trainer_state, self.runtime.workers)
         trainer_state.metrics.update(self.metrics.publish_step(trainer_state))
         if self.runtime is not None:
             trainer_state.metrics.update(self.runtime.startup_metrics())  # once, on the first step
@@ -328,7 +311,7 @@ class SkyRLBackend:
         if self.checkpoints is None or step is None or self.run.checkpoint.save_freq <= 0:
             return  # save_freq <= 0: no checkpoints at all (rLLM's scripts pass -1 for that)
         if self.checkpoints.latest_step() != step:
-            await asyncio.to_thread(self.checkpoints.save, step, trainer_state)
+            await asyncio.to_thread(self.checkpoints.save, step, trainer_state, self.runtime.workers)
 
     def _failing(self) -> bool:
         """True while an exception raised inside fit() propagates through a hook."""
@@ -342,16 +325,12 @@ class SkyRLBackend:
         self.rollout_engine.weight_version = version
 
     def shutdown(self) -> None:
-        """Stop servers, workers and Ray (if this run started it); safe to call twice."""
+        """Stop servers, workers and Ray (if this run started it), release the checkpoint directory;
+        safe to call twice."""
         runtime, self.runtime = self.runtime, None
         SkyRLBackend._running.discard(self)
-        try:
-            if runtime is not None:
-                runtime.shutdown()
-        finally:
-            lock, self._lock = getattr(self, "_lock", None), None
-            if lock is not None:
-                lock.release()
+        if runtime is not None:
+            runtime.shutdown()
 
 
 class _EmptyBatch:

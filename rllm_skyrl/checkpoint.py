@@ -180,27 +180,24 @@ def _step_of(path: Path) -> int | None:
 
 
 class CheckpointManager:
-    """Saves and restores the workers' state plus the driver's position in the data."""
+    """Saves and restores the workers' state (of ``roles``) plus the driver's position in the data.
 
-    def __init__(
-        self, root: str | Path, workers: Any, max_to_keep: int = -1, roles: tuple[str, ...] | None = None
-    ):
+    Built before anything starts, so ``validate`` can refuse a bad checkpoint first; ``save`` and
+    ``resume`` are handed the workers.
+    """
+
+    def __init__(self, root: str | Path, roles: tuple[str, ...], max_to_keep: int = -1):
         if "://" in str(root):
             raise ValueError(
                 f"checkpoint directory {root!r}: atomic checkpoints need a local or shared filesystem "
                 "(rename is not atomic on object stores); set training.default_local_dir to a path"
             )
         self.root = Path(root)
-        self.workers = workers  # may be set after construction: validate() needs none
+        self.roles = tuple(role for role in roles if role != "ref")  # the reference never changes
         self.max_to_keep = max_to_keep
-        self._roles = roles
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"{STEP_PREFIX}{step}"
-
-    def _saved_roles(self) -> list[str]:
-        roles = self._roles if self._roles is not None else self.workers.roles
-        return [role for role in roles if role != "ref"]  # the reference never changes
 
     def latest_step(self) -> int | None:
         """The step ``latest`` names, or None when nothing was saved yet."""
@@ -230,7 +227,7 @@ class CheckpointManager:
                 logger.warning("restored %s from an interrupted re-save", self.root / name)
                 return
 
-    def save(self, step: int, trainer_state: Any) -> Path:
+    def save(self, step: int, trainer_state: Any, workers: Any) -> Path:
         """Write ``global_step_<step>`` atomically and point ``latest`` at it."""
         start = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -238,9 +235,9 @@ class CheckpointManager:
         final = self.step_dir(step)
         tmp = self.root / f"{_TMP}{step}_{os.getpid()}"
         tmp.mkdir()
-        for role in self._saved_roles():
-            self.workers.save_checkpoint(role, str(tmp / role))
-            finalize = getattr(getattr(self.workers, "dispatch", None), "finalize_pending_saves", None)
+        for role in self.roles:
+            workers.save_checkpoint(role, str(tmp / role))
+            finalize = getattr(getattr(workers, "dispatch", None), "finalize_pending_saves", None)
             if finalize is not None:  # SkyRL's async checkpoint writes (Megatron) must land first
                 finalize(role)
         loader = getattr(trainer_state, "train_dataloader", None)
@@ -249,7 +246,7 @@ class CheckpointManager:
             "epoch": getattr(trainer_state, "epoch", 0),
             "dataloader": loader.state_dict() if loader is not None else None,
             "rng": _rng_state(),
-            "roles": self._saved_roles(),
+            "roles": self.roles,
             "saved_at": time.time(),
         }
         (tmp / STATE_FILE).write_text(json.dumps(state))
@@ -347,19 +344,19 @@ class CheckpointManager:
             raise CheckpointError(
                 f"{state_file}: {'; '.join(problems)}; it was not written by a complete save"
             )
-        missing = [role for role in self._saved_roles() if not (directory / role).is_dir()]
+        missing = [role for role in self.roles if not (directory / role).is_dir()]
         if missing:
             raise CheckpointError(
                 f"{directory} has no {'/'.join(missing)} checkpoint (saved roles: {state.get('roles')}); "
                 "was it made with a different algorithm (e.g. without a critic)?"
             )
-        for checked in [directory, *(directory / role for role in self._saved_roles())]:
+        for checked in [directory, *(directory / role for role in self.roles)]:
             _refuse_foreign_writers(checked)
             for child in checked.iterdir():
                 _refuse_foreign_writers(child)
         return directory
 
-    def resume(self, mode: str, path: str | None, trainer_state: Any) -> int | None:
+    def resume(self, mode: str, path: str | None, trainer_state: Any, workers: Any) -> int | None:
         """Restore workers, step counter, data position and RNG; returns the step resumed from."""
         directory = self.validate(mode, path)
         if directory is None:
@@ -374,8 +371,8 @@ class CheckpointManager:
                 saved,
             )
         start = time.perf_counter()
-        for role in self._saved_roles():
-            self.workers.load_checkpoint(role, str(directory / role))
+        for role in self.roles:
+            workers.load_checkpoint(role, str(directory / role))
         trainer_state.global_step = state["global_step"]
         trainer_state.epoch = state.get("epoch", 0)
         loader = getattr(trainer_state, "train_dataloader", None)
@@ -385,6 +382,20 @@ class CheckpointManager:
         seconds = time.perf_counter() - start
         logger.info("resumed from %s (step %d) in %.2f s", directory, state["global_step"], seconds)
         return state["global_step"]
+
+
+def claim_checkpoints(
+    settings: Any, roles: tuple[str, ...]
+) -> tuple[CheckpointManager, CheckpointLock, Path | None]:
+    """This run's checkpoints (``run.checkpoint`` settings): the manager, the directory's lock (held
+    until released), and the checkpoint a resume will load (None: step 1), checked without loading."""
+    manager = CheckpointManager(settings.root, roles, settings.max_to_keep)
+    lock = CheckpointLock(settings.root).acquire()
+    try:
+        return manager, lock, manager.validate(settings.resume_mode, settings.resume_from_path)
+    except BaseException:
+        lock.release()
+        raise
 
 
 def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:

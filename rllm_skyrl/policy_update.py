@@ -35,13 +35,16 @@ def row_roles(batch: Any) -> list[str]:
 
 
 class PolicyUpdate:
-    """Trains the run's roles on one batch through ``models`` (a ``ModelRegistry``)."""
+    """Trains the run's roles on one batch through ``models`` (a ``ModelRegistry``), in which it
+    creates one model per trained role, named after the role."""
 
     def __init__(self, run: Any, models: Any, dp_size: int, metrics: StepMetrics) -> None:
         self.run = run
         self.models = models
         self.dp_size = dp_size
         self.metrics = metrics
+        for role in run.trained_roles:
+            models.create_model(role, model_role=role)
 
     def boundaries(self, batch: Any) -> list[tuple[int, int]]:
         return minibatch_boundaries(real_rows(batch), self.run.num_minibatches, self.dp_size)

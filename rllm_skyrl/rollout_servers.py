@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -299,10 +300,13 @@ def external_servers(urls: list[str]) -> ServerGroup:
 
 @dataclass
 class SkyRLServers(ServerGroup):
-    """SkyRL's own vLLM servers and router (GPU), with the client SkyRL built for them."""
+    """SkyRL's own vLLM servers and router (GPU), with the client SkyRL built for them, and with
+    ``colocate_all`` the placement group they share with the trainer's actors (removed by the
+    runtime once those are stopped too)."""
 
     client: object = None
     setup: object = None
+    placement_group: object = None
 
     def stop(self) -> None:
         for group in getattr(self.setup, "server_groups", []):
@@ -311,30 +315,36 @@ class SkyRLServers(ServerGroup):
             self.setup.router.shutdown()
 
 
-def start_skyrl_servers(skyrl_cfg, tokenizer, placement_group=None) -> SkyRLServers:
-    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``);
-    ``placement_group`` is the one shared with the trainer when ``colocate_all`` is on."""
+def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
+    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``): with
+    ``colocate_all``, first the placement group they share with the trainer (SkyRL's order: the
+    servers size their memory on GPUs the trainer does not use yet)."""
     from rllm_skyrl.optional_deps import require
 
     require("vllm")
     from skyrl.backends.skyrl_train.inference_servers.setup import build_new_inference_client
 
+    placement_group = (
+        colocated_placement_group(skyrl_cfg) if skyrl_cfg.trainer.placement.colocate_all else None
+    )
     client, setup = build_new_inference_client(skyrl_cfg, tokenizer, placement_group=placement_group)
-    return SkyRLServers(urls=list(setup.server_urls), client=client, setup=setup)
+    return SkyRLServers(
+        urls=list(setup.server_urls), client=client, setup=setup, placement_group=placement_group
+    )
 
 
-def start_servers(run: RunConfig, tokenizer, placement_group=None) -> ServerGroup:
+def start_servers(run: RunConfig, tokenizer) -> ServerGroup:
     """The servers ``run.platform`` picks: given URLs, SkyRL's vLLM servers, or our CPU servers
     (launched; the caller waits with ``wait_ready``, so other bring-up overlaps their start)."""
     kind = run.platform.server_kind(run.inference.urls)
-    if placement_group is not None and kind != "skyrl_vllm":
+    if run.skyrl.trainer.placement.colocate_all and kind != "skyrl_vllm":
         raise ValueError(
             f"skyrl.trainer.placement.colocate_all=true needs SkyRL's vLLM servers started by this "
             f"backend on CUDA, but the servers here are {kind!r}; set colocate_all=false"
             + (" or drop inference.urls" if kind == "external" else "")
         )
     if kind == "skyrl_vllm":
-        return start_skyrl_servers(run.skyrl, tokenizer, placement_group)
+        return start_skyrl_servers(run.skyrl, tokenizer)
     if kind == "external":
         return external_servers(list(run.inference.urls))
     return launch_cpu_servers(
@@ -347,3 +357,22 @@ def start_servers(run: RunConfig, tokenizer, placement_group=None) -> ServerGrou
         seed=run.seed,
         threads=run.inference.threads,
     )
+
+
+def colocated_placement_group(skyrl_cfg: Any):
+    """SkyRL's ``colocate_all`` placement: one ``{GPU: 1, CPU: 1}`` bundle per inference GPU, which
+    the vLLM servers and the trainer's actors then share (as SkyRL's ``BasePPOExp.get_colocate_pg``)."""
+    from ray.util.placement_group import placement_group
+    from skyrl.env_vars import SKYRL_RAY_PG_TIMEOUT_IN_S
+    from skyrl.train.utils.utils import ResolvedPlacementGroup, get_ray_pg_ready_with_timeout
+
+    engines = skyrl_cfg.generator.inference_engine
+    slots = (
+        engines.num_engines
+        * engines.tensor_parallel_size
+        * engines.pipeline_parallel_size
+        * engines.data_parallel_size
+    )
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * slots, strategy="PACK")
+    get_ray_pg_ready_with_timeout(pg, timeout=SKYRL_RAY_PG_TIMEOUT_IN_S)
+    return ResolvedPlacementGroup(pg)

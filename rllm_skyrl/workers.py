@@ -25,6 +25,19 @@ ROLES = ("policy", "critic", "ref")
 COLOCATED_GPU_SHARE = 0.2
 
 
+def load_tokenizer(model_path: str):
+    """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:  # any id works as padding: masks hide it
+        logger.warning(
+            "tokenizer of %s has no pad token; padding with eos %r", model_path, tokenizer.eos_token
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 

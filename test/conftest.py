@@ -57,8 +57,8 @@ def ray_cluster(tmp_path_factory):
     import ray
 
     from rllm_skyrl.compat import local_ray
+    from rllm_skyrl.ray_cluster import start_ray
     from rllm_skyrl.run_config import make_skyrl_config
-    from rllm_skyrl.runtime import start_ray
 
     log_dir = tmp_path_factory.mktemp("ray_logs")
     started = start_ray(make_skyrl_config(), log_dir=str(log_dir))

@@ -67,10 +67,10 @@ def _state(loader=None, step=0):
 
 def test_save_writes_roles_state_and_latest_but_not_the_reference(tmp_path):
     workers = FakeWorkers(roles=("policy", "critic", "ref"))
-    manager = CheckpointManager(tmp_path, workers)
+    manager = CheckpointManager(tmp_path, workers.roles)
     loader = StatefulTaskDataLoader([{"id": i} for i in range(10)], batch_size=2, seed=3)
     next(iter(loader))
-    path = manager.save(1, _state(loader, 1))
+    path = manager.save(1, _state(loader, 1), workers)
     assert path == tmp_path / "global_step_1"
     assert sorted(p.name for p in path.iterdir()) == ["critic", "policy", STATE_FILE]
     state = json.loads((path / STATE_FILE).read_text())
@@ -81,25 +81,25 @@ def test_save_writes_roles_state_and_latest_but_not_the_reference(tmp_path):
 
 def test_a_save_interrupted_midway_leaves_the_previous_checkpoint_and_latest(tmp_path):
     workers = FakeWorkers(roles=("policy", "critic"), fail_on_save=4)  # dies inside the 2nd save
-    manager = CheckpointManager(tmp_path, workers)
-    manager.save(2, _state())
+    manager = CheckpointManager(tmp_path, workers.roles)
+    manager.save(2, _state(), workers)
     with pytest.raises(KeyboardInterrupt):
-        manager.save(4, _state())
+        manager.save(4, _state(), workers)
     assert manager.latest_step() == 2 and not (tmp_path / "global_step_4").exists()
     assert [p.name for p in tmp_path.glob(".tmp_global_step_4_*")]  # the orphan is still there...
     workers.fail_on_save = None
-    manager.save(4, _state())
+    manager.save(4, _state(), workers)
     assert not list(tmp_path.glob(".tmp_*"))  # ...until the next save removes it
     assert manager.latest_step() == 4
 
 
 def test_resaving_a_step_is_atomic_and_recovers_an_interrupted_swap(tmp_path):
     workers = FakeWorkers(roles=("policy",))
-    manager = CheckpointManager(tmp_path, workers)
+    manager = CheckpointManager(tmp_path, workers.roles)
     workers.weights["policy"] = 1
-    manager.save(3, _state())
+    manager.save(3, _state(), workers)
     workers.weights["policy"] = 2
-    manager.save(3, _state())  # e.g. after resuming from step 2
+    manager.save(3, _state(), workers)  # e.g. after resuming from step 2
     assert (tmp_path / "global_step_3" / "policy" / "model.pt").read_text() == "2"
     assert not list(tmp_path.glob(".old_*"))
     # A kill between moving the old directory aside and renaming the new one in:
@@ -111,52 +111,53 @@ def test_resaving_a_step_is_atomic_and_recovers_an_interrupted_swap(tmp_path):
 def test_a_dangling_latest_pointer_is_a_clear_error(tmp_path):
     (tmp_path / LATEST).write_text("global_step_7")
     with pytest.raises(CheckpointError, match="global_step_7.*not a complete checkpoint"):
-        CheckpointManager(tmp_path, FakeWorkers()).latest_step()
+        CheckpointManager(tmp_path, ("policy",)).latest_step()
 
 
 def test_prune_keeps_the_newest_up_to_the_current_step(tmp_path):
-    manager = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)), max_to_keep=2)
+    workers = FakeWorkers(roles=("policy",))
+    manager = CheckpointManager(tmp_path, workers.roles, max_to_keep=2)
     for step in (1, 2, 3, 4, 5):
-        manager.save(step, _state())
+        manager.save(step, _state(), workers)
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_4", "global_step_5"]
-    manager.save(3, _state())  # resumed from an older step: the later ones are not counted or deleted
+    manager.save(3, _state(), workers)  # resumed from an older step: later ones are not counted or deleted
     names = sorted(p.name for p in tmp_path.glob("global_step_*"))
     assert names == ["global_step_3", "global_step_4", "global_step_5"] and manager.latest_step() == 3
 
 
 def test_object_store_paths_are_refused():
     with pytest.raises(ValueError, match="local or shared filesystem"):
-        CheckpointManager("s3://bucket/run", FakeWorkers())
+        CheckpointManager("s3://bucket/run", ("policy",))
 
 
 def test_resume_modes(tmp_path, caplog):
     workers = FakeWorkers(roles=("policy",))
-    manager = CheckpointManager(tmp_path / "ckpt", workers)
-    assert manager.resume("auto", None, _state()) is None  # nothing saved yet: start at step 1
+    manager = CheckpointManager(tmp_path / "ckpt", workers.roles)
+    assert manager.resume("auto", None, _state(), workers) is None  # nothing saved yet: start at step 1
     for step in (2, 4):
         workers.weights["policy"] = step * 10
-        manager.save(step, _state(step=step))
+        manager.save(step, _state(step=step), workers)
 
     state = _state()
-    assert manager.resume("auto", None, state) == 4 and state.global_step == 4
+    assert manager.resume("auto", None, state, workers) == 4 and state.global_step == 4
     assert workers.weights["policy"] == 40
 
     with caplog.at_level(logging.WARNING, logger="rllm_skyrl.checkpoint"):
-        assert manager.resume("disable", None, _state()) is None
+        assert manager.resume("disable", None, _state(), workers) is None
     assert "resume_mode=disable" in caplog.text and "up to step 4" in caplog.text
 
     state = _state()
-    assert manager.resume("resume_path", str(tmp_path / "ckpt" / "global_step_2"), state) == 2
+    assert manager.resume("resume_path", str(tmp_path / "ckpt" / "global_step_2"), state, workers) == 2
     assert state.global_step == 2 and workers.weights["policy"] == 20
-    assert manager.resume("resume_path", str(tmp_path / "ckpt"), _state()) == 4  # a root: its latest
+    assert manager.resume("resume_path", str(tmp_path / "ckpt"), _state(), workers) == 4  # a root: its latest
 
     with pytest.raises(FileNotFoundError, match="resume_from_path=.*not a checkpoint"):
-        manager.resume("resume_path", str(tmp_path / "nowhere"), _state())
+        manager.resume("resume_path", str(tmp_path / "nowhere"), _state(), workers)
     with pytest.raises(ValueError, match="resume_mode='sometimes'"):
-        manager.resume("sometimes", None, _state())
-    critic = CheckpointManager(tmp_path / "ckpt", FakeWorkers(roles=("policy", "critic")))
+        manager.resume("sometimes", None, _state(), workers)
+    critic = CheckpointManager(tmp_path / "ckpt", ("policy", "critic"))
     with pytest.raises(CheckpointError, match="no critic checkpoint"):
-        critic.resume("auto", None, _state())
+        critic.resume("auto", None, _state(), FakeWorkers(roles=("policy", "critic")))
 
 
 def test_resume_restores_the_data_position_and_rng(tmp_path):
@@ -167,13 +168,14 @@ def test_resume_restores_the_data_position_and_rng(tmp_path):
     loader = StatefulTaskDataLoader(rows, batch_size=3, seed=5)
     batches = iter(loader)
     seen = [[r["id"] for r in next(batches)] for _ in range(3)]
-    manager = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)))
+    workers = FakeWorkers(roles=("policy",))
+    manager = CheckpointManager(tmp_path, workers.roles)
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
-    manager.save(3, _state(loader, 3))
+    manager.save(3, _state(loader, 3), workers)
     expected_rng = (random.random(), np.random.rand(), torch.rand(1).item())
 
     fresh = StatefulTaskDataLoader(rows, batch_size=3, seed=5)
-    manager.resume("auto", None, _state(fresh))
+    manager.resume("auto", None, _state(fresh), workers)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected_rng
     rest = [[r["id"] for r in batch] for _ in range(2) for batch in fresh]
     assert seen + rest == order  # none repeated, none skipped, across the epoch boundary
@@ -210,7 +212,8 @@ def _backend(tmp_path, save_freq=2):
         lora=LoraSettings(),
         async_training=False,
     )
-    backend.checkpoints = CheckpointManager(tmp_path, FakeWorkers(roles=("policy",)))
+    backend.checkpoints = CheckpointManager(tmp_path, ("policy",))
+    backend.runtime = SimpleNamespace(workers=FakeWorkers(roles=("policy",)), startup_metrics=dict)
 
     async def no_sync(version):
         backend.synced = version

@@ -31,8 +31,8 @@ class DiskWorkers:
 
 
 def saved(root: Path, step: int = 2) -> CheckpointManager:
-    manager = CheckpointManager(root, DiskWorkers())
-    manager.save(step, SimpleNamespace(train_dataloader=None, global_step=step, epoch=0))
+    manager = CheckpointManager(root, DiskWorkers.roles)
+    manager.save(step, SimpleNamespace(train_dataloader=None, global_step=step, epoch=0), DiskWorkers())
     return manager
 
 
@@ -118,10 +118,7 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(tmp_path, break_it, 
 
 def test_validate_needs_no_workers(tmp_path):
     saved(tmp_path, step=4)
-    assert (
-        CheckpointManager(tmp_path, None, roles=("policy",)).validate("auto", None)
-        == tmp_path / "global_step_4"
-    )
+    assert CheckpointManager(tmp_path, ("policy",)).validate("auto", None) == tmp_path / "global_step_4"
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):

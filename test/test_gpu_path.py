@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rllm_skyrl import rollout_servers
 from rllm_skyrl import runtime as runtime_module
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.launcher import plan
@@ -260,19 +261,19 @@ def test_skyrls_server_start_takes_the_shared_placement_group():
 
 
 def test_colocated_placement_group_is_the_one_skyrls_trainer_builds():
-    """``runtime.colocated_placement_group`` repeats SkyRL's ``BasePPOExp.get_colocate_pg``."""
+    """``rollout_servers.colocated_placement_group`` repeats SkyRL's ``BasePPOExp.get_colocate_pg``."""
     from skyrl.train.entrypoints.main_base import BasePPOExp
 
     skyrl_source = inspect.getsource(BasePPOExp.get_colocate_pg)
-    ours = inspect.getsource(runtime_module.colocated_placement_group)
+    ours = inspect.getsource(rollout_servers.colocated_placement_group)
     for fragment in ('{"GPU": 1, "CPU": 1}', 'strategy="PACK"', "tensor_parallel_size", "data_parallel_size"):
         assert fragment in skyrl_source and fragment in ours, fragment
 
 
 def test_colocated_servers_must_be_skyrls_own():
-    run = SimpleNamespace(platform=Platform(cuda=True), inference=SimpleNamespace(urls=("http://h:1",)))
+    run = stand_in_run(Platform(cuda=True), colocated=True, inference=SimpleNamespace(urls=("http://h:1",)))
     with pytest.raises(ValueError, match="colocate_all=true needs SkyRL's vLLM servers.*drop inference.urls"):
-        start_servers(run, tokenizer=None, placement_group=object())
+        start_servers(run, tokenizer=None)
 
 
 def stand_in_run(platform: Platform, colocated: bool, **fields) -> SimpleNamespace:
@@ -283,6 +284,7 @@ def stand_in_run(platform: Platform, colocated: bool, **fields) -> SimpleNamespa
         skyrl=SimpleNamespace(trainer=SimpleNamespace(placement=placement)),
         log_dir=Path("logs"),
         roles=("policy",),
+        trained_roles=("policy",),
         optimizer_steps=1,
         cpu_threads=1,
         **fields,
@@ -295,16 +297,27 @@ def stand_in_run(platform: Platform, colocated: bool, **fields) -> SimpleNamespa
     ids=["cuda-separate", "cuda-colocated", "cpu"],
 )
 def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch, platform, colocated):
-    """SkyRL's order (its trainer builds the inference client, then the models): colocated, the
-    shared placement group first and the servers in it; the workers; then the wait for servers
-    that loaded meanwhile. A failure after that stops what started, servers first."""
+    """SkyRL's order (its trainer builds the inference client, then the models): the servers
+    (colocated, in the placement group they make), the workers (in the same group), then the wait
+    for servers that loaded meanwhile. Shutdown stops what started, servers first."""
     events: list = []
     pg = SimpleNamespace(pg="raw-pg")
+
+    class Lock:
+        def release(self):
+            events.append("checkpoints released")
+
+    monkeypatch.setattr(
+        runtime_module,
+        "claim_checkpoints",
+        lambda settings, roles: events.append(("checkpoints", roles)) or ("manager", Lock(), None),
+    )
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: events.append("ray") or True)
     monkeypatch.setattr(runtime_module, "load_tokenizer", lambda path: events.append("tokenizer") or "tok")
-    monkeypatch.setattr(runtime_module, "colocated_placement_group", lambda cfg: events.append("pg") or pg)
 
     class Servers:
+        placement_group = pg if colocated else None
+
         def wait_ready(self):
             events.append("servers ready")
 
@@ -314,7 +327,7 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     monkeypatch.setattr(
         runtime_module,
         "start_servers",
-        lambda run, tok, placement_group=None: events.append(("servers", tok, placement_group)) or Servers(),
+        lambda run, tok: events.append(("servers", tok)) or Servers(),
     )
 
     class Workers:
@@ -324,41 +337,74 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
         def shutdown(self):
             events.append("workers stopped")
 
+    class Models:
+        def __init__(self, workers):
+            pass
+
+    class Engine:
+        client = "client"
+
+        @classmethod
+        def for_servers(cls, servers, tokenizer, run):
+            events.append(("engine", tokenizer))
+            return cls()
+
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", Workers)
-    monkeypatch.setattr(runtime_module, "ModelRegistry", lambda workers: "models")
-    monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: False)  # nothing to shut down
-    monkeypatch.setattr(runtime_module.local_ray, "stop", lambda *a: events.append("ray stopped"))
-    run = stand_in_run(platform, colocated, model_path="model-dir", inference=SimpleNamespace(urls=None))
+    monkeypatch.setattr(runtime_module, "ModelRegistry", Models)
+    monkeypatch.setattr(runtime_module, "SkyRLEngine", Engine)
+    monkeypatch.setattr(runtime_module.weight_sync, "prepare", lambda *a: events.append("weight sync"))
+    monkeypatch.setattr(runtime_module, "stop_ray", lambda: events.append("ray stopped"))
+    run = stand_in_run(
+        platform,
+        colocated,
+        checkpoint="settings",
+        model_path="model-dir",
+        inference=SimpleNamespace(urls=None),
+        lora=SimpleNamespace(enabled=False),
+    )
     runtime = runtime_module.Runtime.start(run)
     group = pg if colocated else None
     assert events == [
-        "ray",
+        ("checkpoints", ("policy",)),
         "tokenizer",
-        *(["pg"] if colocated else []),
-        ("servers", "tok", group),
+        "ray",
+        ("servers", "tok"),
         ("workers", "tok", group),
         "servers ready",
+        ("engine", "tok"),
+        "weight sync",
     ]
     assert runtime.owns_ray and runtime.tokenizer == "tok"
     events.clear()
     runtime.shutdown()
-    assert events == ["servers stopped", "workers stopped", "ray stopped"]
+    assert events == ["servers stopped", "workers stopped", "ray stopped", "checkpoints released"]
 
 
 def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start(monkeypatch):
     """The error reaches the caller; a Ray that was up before (a test session's, a notebook's) is
-    not shut down on the way out."""
+    not shut down on the way out, and the checkpoint directory claimed first is released."""
     shut_down: list = []
 
     def start_ray(*args, **kwargs):
         raise RuntimeError("no Ray today")
 
-    monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(runtime_module.ray, "shutdown", lambda: shut_down.append(True))
+    released: list = []
+
+    class Lock:
+        def release(self):
+            released.append(True)
+
+    monkeypatch.setattr(
+        runtime_module, "claim_checkpoints", lambda settings, roles: ("manager", Lock(), None)
+    )
+    monkeypatch.setattr(runtime_module, "stop_ray", lambda: shut_down.append(True))
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
     never = lambda *a, **k: pytest.fail("workers after a failed Ray")  # noqa: E731
     monkeypatch.setattr(runtime_module, "SkyRLWorkers", never)
-    run = stand_in_run(Platform(cuda=False), colocated=False, inference=SimpleNamespace(urls=None))
+    run = stand_in_run(
+        Platform(cuda=False), colocated=False, checkpoint="settings", inference=SimpleNamespace(urls=None)
+    )
     with pytest.raises(RuntimeError, match="no Ray today"):
         runtime_module.Runtime.start(run, tokenizer="tok")
     assert not shut_down
+    assert released == [True]  # the checkpoint directory is free again

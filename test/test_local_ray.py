@@ -31,7 +31,7 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
         import psutil, ray
         from rllm_skyrl.compat import local_ray
         from rllm_skyrl.run_config import make_skyrl_config
-        from rllm_skyrl.runtime import start_ray
+        from rllm_skyrl.ray_cluster import start_ray
         local = local_ray.launch_for_cpu_run()
         local.address()
         os.kill(local.process.pid, signal.SIGINT)
@@ -168,7 +168,7 @@ def _running(pid: int) -> bool:
 
 def _record_start_ray(monkeypatch, launched=None):
     """``start_ray`` with Ray, the patch sets and the runtime env recorded instead of run."""
-    from rllm_skyrl import runtime
+    from rllm_skyrl import ray_cluster
 
     calls = {"stopped": [], "launches": [], "inits": []}
 
@@ -184,12 +184,12 @@ def _record_start_ray(monkeypatch, launched=None):
         local_ray, "launch", lambda init_args: calls["launches"].append(init_args) or Relaunched()
     )
     monkeypatch.setattr(local_ray, "require_token", lambda token=None: "token")
-    monkeypatch.setattr(runtime.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(runtime.ray, "init", lambda **kwargs: calls["inits"].append(kwargs))
-    monkeypatch.setattr(runtime, "runtime_env_for", lambda *a, **k: {})
-    monkeypatch.setattr(runtime.compat, "prepare_driver", lambda platform: [])
-    monkeypatch.setattr(runtime.stop_signals, "after_ray_init", lambda: None)
-    return runtime, calls
+    monkeypatch.setattr(ray_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: calls["inits"].append(kwargs))
+    monkeypatch.setattr(ray_cluster, "runtime_env_for", lambda *a, **k: {})
+    monkeypatch.setattr(ray_cluster.compat, "prepare_driver", lambda platform: [])
+    monkeypatch.setattr(ray_cluster.stop_signals, "after_ray_init", lambda: None)
+    return ray_cluster, calls
 
 
 def test_a_launched_ray_the_run_cannot_use_is_stopped_and_another_started(monkeypatch):

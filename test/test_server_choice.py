@@ -75,7 +75,7 @@ def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, wor
     """A CPU run gives its servers and its training workers the cores (shared between servers, and
     between workers; halved when rollouts overlap training); a training worker's threads reach it
     through the runtime env."""
-    from rllm_skyrl.runtime import runtime_env_for
+    from rllm_skyrl.ray_cluster import runtime_env_for
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     cfg = compose_unified("model.path=org/model", *overrides)

@@ -23,7 +23,7 @@ import torch
 from helpers import compose_unified, hf_logprobs, hf_model, run_dirs, wait_until
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 
-from rllm_skyrl import launcher, runtime
+from rllm_skyrl import launcher, ray_cluster, runtime
 from rllm_skyrl.backend import SkyRLBackend
 from rllm_skyrl.records import Episode, Step, Trajectory
 from rllm_skyrl.run_log import read_metrics
@@ -258,7 +258,7 @@ def ray_ownership(monkeypatch):
     real_start = runtime.start_ray
     monkeypatch.setattr(runtime, "start_ray", lambda *a, **k: real_start(*a, **k) or True)
     monkeypatch.setattr(ray, "shutdown", lambda *a, **k: shutdowns.append("ray.shutdown"))
-    monkeypatch.setattr(runtime.local_ray, "stop", lambda *a: None)
+    monkeypatch.setattr(ray_cluster.local_ray, "stop", lambda *a: None)
     return shutdowns
 
 

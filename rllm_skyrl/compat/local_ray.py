@@ -146,6 +146,23 @@ def launch(init_args: dict[str, Any]) -> LocalRay:
     return _launched
 
 
+def join(platform: Any, num_cpus: int | None, runtime_env: dict[str, Any]) -> None:
+    """Connect this process to the run's own Ray: the one launched at the run's first line if it
+    has what ``platform`` asks for (else that one is stopped), or one launched now."""
+    import ray
+
+    init_args = platform.ray_init_args(num_cpus)
+    local = launched()
+    if local is not None and local.init_args != init_args:
+        logger.info("the Ray launched at start-up is not the one this run needs; starting another")
+        stop()
+        local = None
+    local = local or launch(init_args)
+    require_token(local.token)
+    address = local.address()
+    ray.init(address=address, _node_ip_address="127.0.0.1", runtime_env=runtime_env, log_to_driver=False)
+
+
 def wanted() -> bool:
     """Whether a run here gets this Ray: no Ray up or named (``RAY_ADDRESS``), no NVIDIA driver
     (so the platform is CPU, known without importing torch), and the set usable on this Ray.

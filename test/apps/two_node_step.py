@@ -17,8 +17,8 @@ import ray
 from transformers import AutoTokenizer
 
 from rllm_skyrl.data_adapter import sft_examples_to_batch
+from rllm_skyrl.ray_cluster import start_ray
 from rllm_skyrl.run_config import make_skyrl_config
-from rllm_skyrl.runtime import start_ray
 from rllm_skyrl.workers import SkyRLWorkers
 
 

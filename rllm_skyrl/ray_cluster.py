@@ -1,0 +1,94 @@
+"""The run's Ray: joined, or started for it, with the runtime env every worker needs.
+
+``start_ray`` joins the cluster ``RAY_ADDRESS`` names, else a CPU run's own head (``compat.local_ray``,
+where that set applies), else Ray's own ``ray.init``; the driver's patch sets come first. The shared
+placement group of a colocated (CUDA) run is built the way SkyRL's trainer builds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rllm_skyrl import compat, stop_signals
+from rllm_skyrl.compat import local_ray
+from rllm_skyrl.hardware import Platform
+from rllm_skyrl.secret_masking import is_secret_key
+
+logger = logging.getLogger(__name__)
+
+
+def runtime_env_for(
+    platform: Platform,
+    skyrl_cfg: Any,
+    log_dir: str | Path | None = None,
+    local: bool = True,
+    cpu_threads: int | None = None,
+):
+    """SkyRL's own worker environment variables, plus whatever the platform needs in every worker.
+
+    ``cpu_threads``: torch threads of each worker on CPU (Ray gives an actor one per CPU it asks for).
+
+    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
+    writes runtime envs into its own logs. A local Ray's workers inherit this process's
+    environment anyway, so secrets are left out there; a cluster's other nodes still get them.
+    """
+    from skyrl.train.utils.utils import prepare_runtime_environment
+
+    env_vars = dict(prepare_runtime_environment(skyrl_cfg))
+    if local:
+        env_vars = {key: value for key, value in env_vars.items() if not is_secret_key(key)}
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
+        os.environ["SKYRL_LOG_FILE"] = log_file
+        env_vars["SKYRL_LOG_FILE"] = log_file
+    if cpu_threads and not platform.cuda:
+        env_vars["OMP_NUM_THREADS"] = str(cpu_threads)
+    platform_env = compat.ray_runtime_env(platform)
+    return {**platform_env, "env_vars": {**env_vars, **platform_env.get("env_vars", {})}}
+
+
+def start_ray(
+    skyrl_cfg: Any,
+    log_dir: str | Path | None = None,
+    num_cpus: int | None = None,
+    platform: Platform | None = None,
+    cpu_threads: int | None = None,
+) -> bool:
+    """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
+
+    With ``RAY_ADDRESS`` set we join that cluster. Otherwise a CPU run uses its own Ray head
+    (``compat.local_ray``: launched at the run's first line, or now), and everything else Ray's
+    own ``ray.init``. The driver's patch sets are applied first (``compat.prepare_driver``):
+    SkyRL registers its built-in functions when its modules are imported, and with the
+    ``registries`` set they must be registered locally, before Ray is joined.
+    """
+    if ray.is_initialized():
+        return False
+    platform = platform or Platform.detect()
+    joining = bool(os.environ.get("RAY_ADDRESS"))
+    runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining, cpu_threads=cpu_threads)
+    compat.prepare_driver(platform)
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
+    if joining:
+        logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
+    elif not platform.cuda and compat.usable(["local_ray"]):
+        local_ray.join(platform, num_cpus, runtime_env)
+    else:
+        ray.init(**platform.ray_init_args(num_cpus), runtime_env=runtime_env, log_to_driver=False)
+    stop_signals.after_ray_init()  # ray.init installed its own SIGTERM handler: settle it
+    return True
+
+
+def stop_ray() -> None:
+    """Shut down the Ray ``start_ray`` started (and the CPU run's own head behind it)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    local_ray.stop()
