@@ -2,14 +2,10 @@
 # Create or refresh the project's virtual environment (.venv) and activate it.
 # Sourced by train.sh and test.sh; safe to run again: it reinstalls only when
 # pyproject.toml or this script changed since the last successful install.
-# A venv that scripts/install_rllm.sh built (rLLM with all of its dependencies) is refreshed by
-# that script again, with its overrides: pip alone would move packages out from under rLLM's.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLLM_SKYRL_VENV:-$ROOT/.venv}"
-# Written by scripts/install_rllm.sh: the rLLM source the venv was built with.
-FULL_RLLM_SOURCE_FILE="$VENV/.rllm_full_source"
 
 find_python312() {
   local candidate
@@ -32,34 +28,54 @@ stamp_of() {
   cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1
 }
 
-create_venv() {
-  if [ ! -x "$VENV/bin/python" ]; then
-    local py
-    py="$(find_python312)"
-    echo "Creating virtual environment in $VENV with $py"
-    "$py" -m venv "$VENV"
-  fi
-}
+# scripts/install_rllm.sh takes the two functions above and does its own installing.
+if [ "${RLLM_SKYRL_ENV_FUNCTIONS_ONLY:-0}" = "1" ]; then return 0; fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="$(find_python312)"
+  echo "Creating virtual environment in $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+
+# A venv that scripts/install_rllm.sh built (rLLM with all of its dependencies) is refreshed by that
+# script, with its overrides: pip alone would move packages out from under rLLM's dependencies.
+if [ -f "$VENV/.rllm_full_source" ] \
+  && [ "$(cat "$VENV/.rllm_skyrl_install_stamp" 2>/dev/null)" != "$(stamp_of)" ]; then
+  "$ROOT/scripts/install_rllm.sh" "$(cat "$VENV/.rllm_full_source")"
+fi
+
+STAMP_FILE="$VENV/.rllm_skyrl_install_stamp"
+if [ "$(cat "$STAMP_FILE" 2>/dev/null)" != "$(stamp_of)" ]; then
+  echo "Installing dependencies into $VENV (first run takes a few minutes)..."
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  # torch first and exactly pinned, so nothing later pulls a different build.
+  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
+  "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+  # rLLM (installed for the tests, see below) comes without its dependencies on purpose.
+  broken="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^rllm ' -e '^No broken requirements' || true)"
+  if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
+  stamp_of > "$STAMP_FILE"
+fi
+
+export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"
 
 # rLLM is not on PyPI: the test set-up installs the source snapshot this backend conforms to.
 # `--no-deps` because rLLM's full dependency set pulls tinker, litellm and more that the trainer
 # does not import; `codetiming` is the one small dependency the project's own set lacks.
 # (scripts/install_rllm.sh installs rLLM as its users do, with every dependency; CI runs that.)
-vendored_rllm_tarball() {
+install_vendored_rllm() {
   local vendor="${RLLM_SKYRL_RLLM_VENDOR:-$ROOT/../shared/vendor/rllm}"
   local tarballs=("$vendor"/rllm-*.tar.gz)
-  if [ -f "${tarballs[0]}" ]; then echo "${tarballs[0]}"; return 0; fi
-  if [ "${CI:-}" = "true" ]; then
-    echo "error: no rLLM snapshot in $vendor; CI runs the real-rLLM tests (set RLLM_SKYRL_RLLM_VENDOR)" >&2
-    return 1
+  local tarball="${tarballs[0]}"
+  if [ ! -f "$tarball" ]; then
+    if [ "${CI:-}" = "true" ]; then
+      echo "error: no rLLM snapshot in $vendor; CI runs the real-rLLM tests (set RLLM_SKYRL_RLLM_VENDOR)" >&2
+      return 1
+    fi
+    return 0
   fi
-}
-
-install_vendored_rllm() {
-  local tarball
-  tarball="$(vendored_rllm_tarball)" || return 1
-  if [ -z "$tarball" ]; then return 0; fi
-  if [ -f "$FULL_RLLM_SOURCE_FILE" ]; then return 0; fi  # rLLM is there with all its dependencies
+  if [ -f "$VENV/.rllm_full_source" ]; then return 0; fi  # rLLM is there with all of its dependencies
   local stamp_file="$VENV/.rllm_vendor_stamp" stamp
   stamp="$(sha256sum "$tarball" | cut -d' ' -f1)"
   if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ]; then return 0; fi
@@ -71,28 +87,3 @@ install_vendored_rllm() {
   "$VENV/bin/python" -m pip install --quiet codetiming
   echo "$stamp" > "$stamp_file"
 }
-
-# scripts/install_rllm.sh uses the functions above and does its own installing.
-if [ "${RLLM_SKYRL_ENV_FUNCTIONS_ONLY:-0}" = "1" ]; then return 0; fi
-
-create_venv
-
-STAMP_FILE="$VENV/.rllm_skyrl_install_stamp"
-if [ "$(cat "$STAMP_FILE" 2>/dev/null)" != "$(stamp_of)" ]; then
-  if [ -f "$FULL_RLLM_SOURCE_FILE" ]; then
-    "$ROOT/scripts/install_rllm.sh" "$(cat "$FULL_RLLM_SOURCE_FILE")"
-  else
-    echo "Installing dependencies into $VENV (first run takes a few minutes)..."
-    "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    # torch first and exactly pinned, so nothing later pulls a different build.
-    "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-    "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
-    # rLLM (installed for the tests by install_vendored_rllm) comes without its dependencies.
-    broken="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^rllm ' -e '^No broken requirements' || true)"
-    if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
-    stamp_of > "$STAMP_FILE"
-  fi
-fi
-
-export PATH="$VENV/bin:$PATH"
-export VIRTUAL_ENV="$VENV"

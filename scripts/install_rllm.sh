@@ -16,6 +16,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RLLM_SKYRL_ENV_FUNCTIONS_ONLY=1 source "$ROOT/scripts/env.sh"
 OVERRIDES="$ROOT/constraints/rllm-overrides.txt"
 FULL_STAMP_FILE="$VENV/.rllm_full_stamp"
+FULL_RLLM_SOURCE_FILE="$VENV/.rllm_full_source"  # env.sh refreshes a venv that has it through this script
 
 if [ $# -ne 1 ]; then
   echo "usage: $0 PATH_TO_RLLM_CHECKOUT (or an rLLM snapshot tarball)" >&2
@@ -42,7 +43,11 @@ else
 fi
 stamp="$( { echo "$source_id"; cat "$OVERRIDES" "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" "${BASH_SOURCE[0]}"; } | sha256sum | cut -d' ' -f1)"
 
-create_venv
+if [ ! -x "$VENV/bin/python" ]; then
+  py="$(find_python312)"
+  echo "Creating virtual environment in $VENV with $py"
+  "$py" -m venv "$VENV"
+fi
 if [ "$(cat "$FULL_STAMP_FILE" 2>/dev/null)" = "$stamp" ]; then
   stamp_of > "$VENV/.rllm_skyrl_install_stamp"
   echo "rLLM and its dependencies in $VENV are up to date ($SOURCE)."

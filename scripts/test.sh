@@ -12,9 +12,13 @@ cd "$(dirname "$0")/.."
 rllm_install="${RLLM_SKYRL_RLLM_INSTALL:-$([ "${CI:-}" = "true" ] && echo full || echo no-deps)}"
 case "$rllm_install" in
   full)
-    RLLM_SKYRL_ENV_FUNCTIONS_ONLY=1 source scripts/env.sh
-    tarball="$(CI=true vendored_rllm_tarball)"
-    scripts/install_rllm.sh "$tarball"
+    vendor="${RLLM_SKYRL_RLLM_VENDOR:-../shared/vendor/rllm}"
+    tarballs=("$vendor"/rllm-*.tar.gz)
+    if [ ! -f "${tarballs[0]}" ]; then
+      echo "error: no rLLM snapshot in $vendor; the full install needs one (set RLLM_SKYRL_RLLM_VENDOR)" >&2
+      exit 1
+    fi
+    scripts/install_rllm.sh "${tarballs[0]}"
     source scripts/env.sh
     ;;
   no-deps)
