@@ -272,6 +272,7 @@ def test_litellm_proxy_serves_and_renders_with_skyrls_rich(tmp_path, monkeypatch
     key = "sk-" + os.urandom(16).hex()
     monkeypatch.setenv("LITELLM_MASTER_KEY", key)  # the proxy (a child process) takes it from here
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_PROXY_STATE_DIR", str(tmp_path / "state"))  # else ./.litellm_proxy
     monkeypatch.setattr(proxy, "_STARTUP_TIMEOUT_S", 300.0)
     manager = proxy.EvalProxyManager(
         provider="openai", model_name="mock-model", api_key="unused", proxy_port=_free_port()
