@@ -115,7 +115,6 @@ def check_trained(records: list[dict]) -> None:
     steps = [r for r in records if "time/step" in r]
     assert [r["step"] for r in steps] == [1, 2], records
     assert all("train/kl_sample_train_v1" in r for r in steps), "no trajectory was trained on"
-    assert [r["async/weight_version"] for r in steps] == [0, 1]  # the first update synced before the second
     assert any("val/countdown/pass@1" in r for r in records), records
 
 
