@@ -28,10 +28,20 @@ stamp_of() {
   cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1
 }
 
+# scripts/install_rllm.sh takes the two functions above and does its own installing.
+if [ "${RLLM_SKYRL_ENV_FUNCTIONS_ONLY:-0}" = "1" ]; then return 0; fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   PY="$(find_python312)"
   echo "Creating virtual environment in $VENV with $PY"
   "$PY" -m venv "$VENV"
+fi
+
+# A venv that scripts/install_rllm.sh built (rLLM with all of its dependencies) is refreshed by that
+# script, with its overrides: pip alone would move packages out from under rLLM's dependencies.
+if [ -f "$VENV/.rllm_full_source" ] \
+  && [ "$(cat "$VENV/.rllm_skyrl_install_stamp" 2>/dev/null)" != "$(stamp_of)" ]; then
+  "$ROOT/scripts/install_rllm.sh" "$(cat "$VENV/.rllm_full_source")"
 fi
 
 STAMP_FILE="$VENV/.rllm_skyrl_install_stamp"
@@ -53,6 +63,7 @@ export VIRTUAL_ENV="$VENV"
 # rLLM is not on PyPI: the test set-up installs the source snapshot this backend conforms to.
 # `--no-deps` because rLLM's full dependency set pulls tinker, litellm and more that the trainer
 # does not import; `codetiming` is the one small dependency the project's own set lacks.
+# (scripts/install_rllm.sh installs rLLM as its users do, with every dependency; CI runs that.)
 install_vendored_rllm() {
   local vendor="${RLLM_SKYRL_RLLM_VENDOR:-$ROOT/../shared/vendor/rllm}"
   local tarballs=("$vendor"/rllm-*.tar.gz)
@@ -64,6 +75,7 @@ install_vendored_rllm() {
     fi
     return 0
   fi
+  if [ -f "$VENV/.rllm_full_source" ]; then return 0; fi  # rLLM is there with all of its dependencies
   local stamp_file="$VENV/.rllm_vendor_stamp" stamp
   stamp="$(sha256sum "$tarball" | cut -d' ' -f1)"
   if [ "$(cat "$stamp_file" 2>/dev/null)" = "$stamp" ]; then return 0; fi

@@ -1,14 +1,35 @@
 #!/usr/bin/env bash
 # Run the test suite (creates/refreshes .venv first). Extra arguments go to pytest.
 # The real rLLM the backend conforms to is installed from its source snapshot in
-# ../shared/vendor/rllm when that folder exists (or RLLM_SKYRL_RLLM_VENDOR points at one);
-# CI (CI=true) fails when its tests would skip.
+# ../shared/vendor/rllm when that folder exists (or RLLM_SKYRL_RLLM_VENDOR points at one):
+# locally without its dependencies (quick), in CI (CI=true) with all of them, as rLLM's users
+# install it (scripts/install_rllm.sh). RLLM_SKYRL_RLLM_INSTALL=full or =no-deps picks either.
+# CI fails when rLLM's tests would skip.
 # Slow tests (long learning curves, the realistic SmolLM2 runs) are opt-in locally with
 # RLLM_SKYRL_SLOW=1, and always run in CI (CI=true), which has the time for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
-install_vendored_rllm
+rllm_install="${RLLM_SKYRL_RLLM_INSTALL:-$([ "${CI:-}" = "true" ] && echo full || echo no-deps)}"
+case "$rllm_install" in
+  full)
+    vendor="${RLLM_SKYRL_RLLM_VENDOR:-../shared/vendor/rllm}"
+    tarballs=("$vendor"/rllm-*.tar.gz)
+    if [ ! -f "${tarballs[0]}" ]; then
+      echo "error: no rLLM snapshot in $vendor; the full install needs one (set RLLM_SKYRL_RLLM_VENDOR)" >&2
+      exit 1
+    fi
+    scripts/install_rllm.sh "${tarballs[0]}"
+    source scripts/env.sh
+    ;;
+  no-deps)
+    source scripts/env.sh
+    install_vendored_rllm
+    ;;
+  *)
+    echo "error: RLLM_SKYRL_RLLM_INSTALL=$rllm_install; use full or no-deps" >&2
+    exit 2
+    ;;
+esac
 marker="not slow"
 if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; fi
 set +e

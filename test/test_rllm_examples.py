@@ -134,3 +134,38 @@ def test_solver_judge_cookbook_runs_with_the_backend_swapped(tmp_path, long_cont
     cookbook = rllm_source() / "cookbooks/workflow/solver_judge"
     run = run_example(cookbook / "train_tinker.sh", cookbook, long_context_model, tmp_path)
     check_trained(run["records"])
+
+
+# The fully-async script's sizes for a 2-core CPU: updates of two task groups, one per forward-backward.
+ASYNC_SCALE = {
+    "rllm.async_training.mini_batch_size": "2",
+    "rllm.async_training.fwd_bwd_group_size": "1",
+    "rllm.trainer.total_batches": "3",  # rLLM's async loop stops one step before: two updates
+}
+
+
+@pytest.mark.slow
+def test_countdown_fully_async_script_runs_with_the_backend_swapped(
+    tmp_path, long_context_model, countdown_dataset
+):
+    """examples/countdown's fully-async script: staleness 0.5, partial rollouts (weights sync while
+    requests are in flight), validation before training."""
+    root = rllm_source()
+    script = root / "examples/countdown/unified_trainer/train_countdown_unified_tinker_async.sh"
+    program, overrides = script_command(script)
+    assert {"rllm.async_training.enable=true", "rllm.async_training.partial_rollout=true"} <= set(overrides)
+    scaled = [
+        f"{key}={ASYNC_SCALE.get(key, value)}"
+        for key, value in (o.partition("=")[::2] for o in swapped(overrides, long_context_model, tmp_path))
+    ]
+    command = [sys.executable, *[a for a in program if a != "-u"], *scaled]
+    result = subprocess.run(
+        command, cwd=root, env=dict(os.environ), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"{shlex.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "time/step" in r]
+    assert [r["step"] for r in steps] == [1, 2], records
+    assert all("train/kl_sample_train_v1" in r for r in steps), "no trajectory was trained on"
+    assert [r["async/weight_version"] for r in steps] == [0, 1]  # the first update synced before the second
+    assert any("val/countdown/pass@1" in r for r in records), records
