@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util import remove_placement_group
 
 from rllm_skyrl import weight_sync
 from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, claim_checkpoints
@@ -184,8 +185,6 @@ class Runtime:
     def _stop_placement_group(self) -> None:
         placement_group, self.placement_group = self.placement_group, None
         if placement_group is not None and ray.is_initialized():
-            from ray.util import remove_placement_group
-
             remove_placement_group(placement_group.pg)
 
     def _stop_ray(self) -> None:

@@ -354,6 +354,8 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     monkeypatch.setattr(runtime_module, "SkyRLEngine", Engine)
     monkeypatch.setattr(runtime_module.weight_sync, "prepare", lambda *a: events.append("weight sync"))
     monkeypatch.setattr(runtime_module, "stop_ray", lambda: events.append("ray stopped"))
+    monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime_module, "remove_placement_group", lambda raw: events.append(("pg removed", raw)))
     run = stand_in_run(
         platform,
         colocated,
@@ -377,7 +379,8 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     assert runtime.owns_ray and runtime.tokenizer == "tok"
     events.clear()
     runtime.shutdown()
-    assert events == ["servers stopped", "workers stopped", "ray stopped", "checkpoints released"]
+    removed = [("pg removed", "raw-pg")] if colocated else []
+    assert events == ["servers stopped", "workers stopped", *removed, "ray stopped", "checkpoints released"]
 
 
 def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start(monkeypatch):
