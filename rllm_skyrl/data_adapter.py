@@ -36,26 +36,22 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-import numpy as np
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
 from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, pad_to_multiple
+from rllm_skyrl.step_reads import StepRun, batch_step_runs, step_run
 from rllm_skyrl.trajectory_checks import (
-    BatchReads,
-    MalformedTrajectoryError,
-    StepRun,
     check_group,
     check_group_id,
-    check_trajectory,
+    check_role,
     group_label,
-    int_ids,
     outcome_reward,
-    real_scalar,
     reward_given,
-    step_fields,
     step_lineage,
     trajectory_label,
+    trajectory_steps,
 )
+from rllm_skyrl.value_checks import IdLists, MalformedTrajectoryError, real_scalar
 
 
 class EmptyBatchError(ValueError):
@@ -141,6 +137,7 @@ class _Row:
     The row so far is always the last merged step's prompt followed by its response (``last``'s
     run), which is what a continuing step's prompt must start with. Its window holds each merged
     step's response (a trained span) after the observation tokens that step's prompt added.
+    ``advantage``: the trajectory's, for every trained token (else each step's own, if any).
     """
 
     label: str
@@ -148,14 +145,15 @@ class _Row:
     first_step: int
     last: StepRun
     prompt_length: int
+    advantage: float | None
     trained: list[Span] = field(default_factory=list)
     reward: float = 0.0
     model_tokens: int = 0
     last_step: int = 0
 
     @classmethod
-    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun) -> _Row:
-        row = cls(label, group_id, index, run, run.middle - run.start)
+    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun, advantage: float | None) -> _Row:
+        row = cls(label, group_id, index, run, run.middle - run.start, advantage)
         row.append(index, run)
         return row
 
@@ -183,7 +181,8 @@ class _Row:
     def append(self, index: int, run: StepRun) -> None:
         """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
         column = run.middle - run.start - self.prompt_length
-        self.trained.append(Span(column, run.stop - run.middle, run.logprobs, run.advantages))
+        advantages = run.advantages if self.advantage is None else self.advantage
+        self.trained.append(Span(column, run.stop - run.middle, run.logprobs, advantages))
         self.model_tokens += run.stop - run.middle
         self.last, self.last_step = run, index
 
@@ -215,20 +214,21 @@ _NO_ADVANTAGE = object()
 
 def _trajectory_rows(
     group: Any,
-    key: tuple[int, int],
+    t: int,
     trajectory: Any,
     config: BatchConfig,
     advantage: Any,
-    needs_advantages: bool,
-    reads: BatchReads,
+    runs: list[StepRun] | None,
 ) -> tuple[list[_Row], int]:
     """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
 
-    ``advantage`` is the trajectory's scalar advantage, ``_NO_ADVANTAGE`` when none is given.
+    ``advantage`` is the trajectory's scalar advantage, ``_NO_ADVANTAGE`` when none is given;
+    ``runs`` its steps read and checked with the batch's (``batch_step_runs``), if they were.
     """
-    label = trajectory_label(group, key[1])
+    label = trajectory_label(group, t)
     group_id = check_group_id(group, label)
-    steps = check_trajectory(trajectory, label, config)
+    check_role(trajectory, label, config)
+    steps = trajectory_steps(trajectory, label)
     # A bad reward is the usual cause of a bad advantage, so it is named first; a missing one waits
     # for the steps, whose own problems (a step that is not a step) are then the cause.
     reward = outcome_reward(trajectory, label, config) if reward_given(trajectory) else None
@@ -236,15 +236,11 @@ def _trajectory_rows(
     if advantage is not _NO_ADVANTAGE:
         scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
     rows: list[_Row] = []
-    lineages = _lineages(label, steps)
-    runs = reads.steps(key, label, steps, scalar, needs_advantages)
-    for lineage in lineages:
+    for lineage in _lineages(label, steps):
         row: _Row | None = None
         for index, step in lineage:
-            if runs is not None:
-                run = runs[index]
-            else:  # checked step by step, so that the first problem met is the one named
-                run = step_fields(label, index, step, config, scalar, needs_advantages).run()
+            # read again step by step when the batch's reads found a problem: the first met is named
+            run = runs[index] if runs is not None else step_run(label, index, step, config)
             if row is not None and row.extended_by(run):
                 row.append(index, run)
             elif run.middle == run.start:
@@ -252,7 +248,7 @@ def _trajectory_rows(
                     label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                 )
             else:
-                row = _Row.begun_by(label, group_id, index, run)
+                row = _Row.begun_by(label, group_id, index, run, scalar)
                 rows.append(row)
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 raise MalformedTrajectoryError(
@@ -303,26 +299,22 @@ def trajectory_groups_to_batch(
     rows_per_traj: list[int] = []
     dropped: list[MalformedTrajectoryError] = []
 
-    reads = BatchReads(
-        (
-            ((g, t), trajectory)
-            for g, group in enumerate(groups)
-            if isinstance(trajectories := getattr(group, "trajectories", None), list | tuple)
-            for t, trajectory in enumerate(trajectories)
-        ),
-        config,
-    )
-
     def drop(err: MalformedTrajectoryError) -> None:
         if not config.drop_malformed:
             raise err
         dropped.append(err)
 
+    checked: list[list[Any] | MalformedTrajectoryError] = []  # each group's trajectories
     for g, group in enumerate(groups):
         try:
-            trajectories = check_group(group, group_label(group, g))
+            checked.append(check_group(group, group_label(group, g)))
         except MalformedTrajectoryError as err:
-            drop(err)
+            checked.append(err)
+    # Read ahead a chunk at a time, in the order the loop below takes the trajectories.
+    step_runs = batch_step_runs((t for ts in checked if isinstance(ts, list) for t in ts), config)
+    for g, (group, trajectories) in enumerate(zip(groups, checked, strict=True)):
+        if isinstance(trajectories, MalformedTrajectoryError):
+            drop(trajectories)
             continue
         group_advantages = trajectory_advantages[g] if trajectory_advantages is not None else None
         if group_advantages is not None and len(group_advantages) != len(trajectories):
@@ -332,10 +324,9 @@ def trajectory_groups_to_batch(
             )
         for t, trajectory in enumerate(trajectories):
             advantage = group_advantages[t] if group_advantages is not None else _NO_ADVANTAGE
+            runs = next(step_runs)
             try:
-                traj_rows, num_steps = _trajectory_rows(
-                    group, (g, t), trajectory, config, advantage, needs_advantages, reads
-                )
+                traj_rows, num_steps = _trajectory_rows(group, t, trajectory, config, advantage, runs)
             except MalformedTrajectoryError as err:
                 drop(err)
                 continue
@@ -377,22 +368,24 @@ def _sft_pair(label: str, example: Any, max_seq_len: int | None, vocab_size: int
         raise MalformedTrajectoryError(
             label, None, "example", f"is {example!r:.40}", "pass (prompt_ids, response_ids) pairs"
         )
-    prompt_ids = int_ids(label, None, "prompt_ids", example[0], vocab_size)
-    response_ids = int_ids(label, None, "response_ids", example[1], vocab_size)
-    if not len(prompt_ids) or not len(response_ids):
-        empty = "prompt_ids" if not len(prompt_ids) else "response_ids"
+    ids = IdLists(vocab_size)
+    for name, value in (("prompt_ids", example[0]), ("response_ids", example[1])):
+        ids.read(label, None, name, value)
+        ids.check_last(label, None, name)
+    tokens = ids.values()  # the prompt, then the response
+    n_prompt = ids.bounds[1]
+    if not n_prompt or n_prompt == len(tokens):
+        empty = "prompt_ids" if not n_prompt else "response_ids"
         raise MalformedTrajectoryError(label, None, empty, f"empty {empty}", "every example needs both parts")
-    total = len(prompt_ids) + len(response_ids)
-    if max_seq_len is not None and total > max_seq_len:
+    if max_seq_len is not None and len(tokens) > max_seq_len:
         raise MalformedTrajectoryError(
             label,
             None,
             "sequence",
-            f"{total} tokens, more than max_seq_len={max_seq_len}",
+            f"{len(tokens)} tokens, more than max_seq_len={max_seq_len}",
             "truncate the example or raise max_seq_len",
         )
-    tokens = np.concatenate([prompt_ids, response_ids])
-    return RowSpec(tokens, len(prompt_ids), [Span(0, len(response_ids))])
+    return RowSpec(tokens, n_prompt, [Span(0, len(tokens) - n_prompt)])
 
 
 def sft_examples_to_batch(

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
+from rllm_skyrl import step_reads
 from rllm_skyrl.batch_layout import PAD_ROW_ID
 from rllm_skyrl.data_adapter import (
     BatchConfig,
@@ -22,7 +23,7 @@ from rllm_skyrl.data_adapter import (
     sft_examples_to_batch,
     trajectory_groups_to_batch,
 )
-from rllm_skyrl.trajectory_checks import BatchReads, MalformedTrajectoryError
+from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)
@@ -307,7 +308,7 @@ def multi_turn(first: int) -> Trajectory:
     return Trajectory(steps, reward=1.0, uid=f"u-{first}")
 
 
-@pytest.mark.parametrize("chunk_ids", [1, 12, BatchReads.CHUNK_IDS])
+@pytest.mark.parametrize("chunk_ids", [1, 12, step_reads.CHUNK_IDS])
 @pytest.mark.parametrize(("trajectory", "config", "message", "field_name"), MALFORMED)
 def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
     trajectory, config, message, field_name, chunk_ids, monkeypatch
@@ -315,7 +316,7 @@ def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
     """Ids are read and checked a chunk of trajectories at a time: a bad trajectory's reads are
     undone, or its chunk's check fails and each of the chunk's trajectories is checked alone; the
     rows after it must come out exactly as they do without it, whatever the chunks hold."""
-    monkeypatch.setattr(BatchReads, "CHUNK_IDS", chunk_ids)
+    monkeypatch.setattr(step_reads, "CHUNK_IDS", chunk_ids)
     drop_config = replace(config, drop_malformed=True)
     goods = [multi_turn(10), multi_turn(40), multi_turn(70)]
     alone, _ = trajectory_groups_to_batch([group_of(*goods)], drop_config)
