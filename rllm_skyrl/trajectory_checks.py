@@ -50,6 +50,7 @@ class RowRules(Protocol):
 
     allowed_roles: Collection[str] | None
     vocab_size: int | None
+    max_seq_len: int | None
     use_precomputed_advantages: bool
 
 
