@@ -1,14 +1,12 @@
-"""A step's ids, logprobs and advantages read and checked (``trajectory_checks``): a batch's steps a
-chunk of trajectories at a time, a step alone to name its first problem.
+"""Steps' ids, logprobs and advantages read and checked: a batch's a chunk of trajectories at a
+time, a step alone to name its first problem.
 
-A multi-turn trajectory re-sends the conversation so far in every prompt, so ids are most of what
-is read, and a few numpy calls per list (or even per trajectory) were most of the conversion at a
-small model's shape (hundreds of rows of a few dozen tokens). So the steps of consecutive
-trajectories are read end to end into two buffers (``value_checks.IdLists``, ``RealLists``) and the
-rules are checked once for all of them. Only when a chunk breaks a rule are its trajectories
-checked each on its own, by the same rules; one that breaks a rule or cannot be read is read again
-step by step (``step_run``), each list checked as soon as it is read, so that the first problem
-met is the one named.
+A few numpy calls per list, or even per trajectory, were most of the conversion at a small model's
+shape (hundreds of rows of a few dozen tokens). So consecutive trajectories' steps are read end to
+end into two buffers (``value_checks.IdLists``, ``RealLists``) and the rules are checked once for
+all of them. Only when a chunk breaks a rule are its trajectories checked each on its own, by the
+same rules; one that breaks a rule or cannot be read is read again step by step (``step_run``),
+each list checked as soon as it is read, so that the first problem met is the one named.
 """
 
 from __future__ import annotations
@@ -44,30 +42,31 @@ class StepRun(NamedTuple):
 
 class StepReads:
     """Steps read end to end: step ``k``'s prompt and response ids are ``ids`` lists ``2k`` and
-    ``2k + 1``, its logprobs ``logprobs`` list ``k``."""
+    ``2k + 1``, its logprobs ``logprobs`` list ``k``. ``alone``: each list is checked as soon as it
+    is read (``IdLists`` then reads exactly as it names); otherwise ``keep_rules`` checks many."""
 
-    def __init__(self, config: RowRules, fast: bool) -> None:
-        self.ids = IdLists(config.vocab_size, fast)
+    def __init__(self, config: RowRules, alone: bool) -> None:
+        self.alone = alone
+        self.ids = IdLists(config.vocab_size, fast=not alone)
         remedy = "the rollout engine must return one log p <= 0 per sampled token (logprobs, not logits)"
         self.logprobs = RealLists(LOGPROB_TOLERANCE, remedy)
         self.advantages: list[np.ndarray | float | None] = []
         self.precomputed = config.use_precomputed_advantages
 
-    def read(self, label: str, index: int, step: Any, check_each: bool) -> None:
+    def read(self, label: str, index: int, step: Any) -> None:
         """Append one step. Raises ``MalformedTrajectoryError`` for what reading finds (a missing
         field, a list that is not one, an element that is not a number, no response, one logprob
-        too many or few, a bad advantage) and, with ``check_each``, for a rule a list breaks, as
-        soon as that list is read."""
+        too many or few, a bad advantage) and, ``alone``, for any rule a list breaks."""
         for name in ("prompt_ids", "response_ids"):
             self.ids.read(label, index, name, required(label, index, step, name))
-            if check_each:
+            if self.alone:
                 self.ids.check_last(label, index, name)
         length = self.ids.bounds[-1] - self.ids.bounds[-2]
         if not length:
             remedy = "drop steps where the model produced no tokens"
             raise MalformedTrajectoryError(label, index, "response_ids", "empty response", remedy)
         self.logprobs.read(label, index, "logprobs", required(label, index, step, "logprobs"), length)
-        if check_each:
+        if self.alone:
             self.logprobs.check_last(label, index, "logprobs")
         self.advantages.append(_step_advantages(label, index, step, length) if self.precomputed else None)
 
@@ -77,7 +76,7 @@ class StepReads:
         first = len(self.advantages)
         try:
             for index, step in enumerate(trajectory_steps(trajectory, "")):
-                self.read("", index, step, check_each=False)
+                self.read("", index, step)
         except MalformedTrajectoryError:  # named by step_run, after whatever comes before it
             self.ids.truncate(2 * first)
             self.logprobs.truncate(first)
@@ -123,8 +122,8 @@ def _step_advantages(label: str, index: int, step: Any, n_response: int) -> np.n
 
 def step_run(label: str, index: int, step: Any, config: RowRules) -> StepRun:
     """One step read alone, each list checked as soon as it is read: its first problem is raised."""
-    reads = StepReads(config, fast=False)
-    reads.read(label, index, step, check_each=True)
+    reads = StepReads(config, alone=True)
+    reads.read(label, index, step)
     return reads.runs(0, 1)[0]
 
 
@@ -133,7 +132,7 @@ def batch_step_runs(trajectories: Iterable[Any], config: RowRules) -> Iterator[l
     every rule, else ``None`` (``step_run`` then names the first problem)."""
     pending = iter(trajectories)
     while True:
-        reads, spans = StepReads(config, fast=True), []
+        reads, spans = StepReads(config, alone=False), []
         for trajectory in pending:
             spans.append(reads.read_trajectory(trajectory))
             if reads.ids.bounds[-1] >= CHUNK_IDS:

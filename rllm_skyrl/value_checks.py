@@ -1,12 +1,10 @@
 """What a number, and a list of numbers, may be in a trajectory (``trajectory_checks`` lists what is
-accepted); the error every trajectory check raises.
+accepted), and the error every trajectory check raises.
 
 A list is read into a buffer by C code that refuses what is not an integer / real number
-(``array.fromlist``, ``struct``: a few ns an element), then the rules are checked with a few numpy
-reductions. Lists read end to end into one buffer (``IdLists``, ``RealLists``) are checked by the
-same rules at once: a batch's steps are read and checked a chunk at a time (``step_reads``), and a
-single list is checked as soon as it is read when its problem is to be named. Only elements whose
-value is 0 or 1, the only values a ``bool`` can take, are looked at one by one.
+(``array.fromlist``, ``struct``: a few ns an element) and checked with a few numpy reductions; only
+elements worth 0 or 1, the only values a ``bool`` can take, are looked at one by one. Many lists
+read end to end into one buffer are checked by the same rules at once.
 """
 
 from __future__ import annotations
@@ -60,11 +58,8 @@ def is_bool(value: Any) -> bool:
 
 def _pack(values: list | tuple, code: str) -> bytes:
     """``values`` as native int64 (``code="q"``) or float64 (``"d"``) bytes; raises if one is not an
-    integer (``operator.index``) / real number (``float()`` of a non-text value).
-
-    A bound ``Struct.pack(*values)`` takes the list as its only star-argument and copies it into one
-    tuple; ``struct.pack(fmt, *values)`` copies it into a list and that list into a tuple, which
-    costs a tenth more per element."""
+    integer (``operator.index``) / real number (``float()`` of a non-text value). A bound
+    ``Struct.pack`` copies the list once, ``struct.pack(fmt, ...)`` twice (a tenth more an element)."""
     return struct.Struct(f"{len(values)}{code}").pack(*values)
 
 
