@@ -329,6 +329,47 @@ def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
         assert torch.equal(mixed[key], alone[key]), key
 
 
+def long_conversation(seed: int) -> Trajectory:
+    """Two merging turns, 1,600 ids read: a batch of 200 spans several of the reads' chunks."""
+    prompt = [2 + (seed * 7 + i) % 500 for i in range(400)]
+    response = [2 + (seed + i) % 500 for i in range(300)]
+    steps = [Step(prompt, response), Step(prompt + response + [3, 4], [5] * 200)]
+    return Trajectory(steps, reward=float(seed % 2), uid=f"u-{seed}")
+
+
+DEEP = [
+    ("response_ids", 123, True, "response_ids: element 123 is True (a bool); token ids must be integers"),
+    ("prompt_ids", 650, -5, "prompt_ids: token id -5 at position 650 is outside the vocabulary [0, 512)"),
+    ("prompt_ids", 701, 2.0, "prompt_ids: element 701 is 2.0; token ids must be integers"),
+    ("logprobs", 77, math.nan, "logprobs: element 77 is nan; the rollout engine must return"),
+    ("logprobs", 199, 0.5, "logprobs: element 199 is 0.5, above 0.0001; the rollout engine must return"),
+]
+
+
+@pytest.mark.parametrize(("name", "position", "value", "message"), DEEP)
+def test_a_malformed_element_deep_in_a_large_batch_is_named_exactly(name, position, value, message):
+    """The batch is read and checked a chunk at a time; one bad element among 320,000 ids is still
+    named by episode, step, field and position, and dropping its trajectory leaves every other row
+    exactly as the batch without it has it."""
+    groups = [
+        group_of(*(long_conversation(8 * g + t) for t in range(8)), task=f"task-{g}") for g in range(25)
+    ]
+    steps = [step for group in groups for trajectory in group.trajectories for step in trajectory.steps]
+    assert sum(len(step.prompt_ids) + len(step.response_ids) for step in steps) > 2 * step_reads.CHUNK_IDS
+    config = BatchConfig(pad_token_id=PAD, vocab_size=512)
+    clean, _ = trajectory_groups_to_batch(groups, config)
+    getattr(groups[17].trajectories[5].steps[1], name)[position] = value
+    with pytest.raises(MalformedTrajectoryError) as err:
+        trajectory_groups_to_batch(groups, config)
+    assert str(err.value).startswith(f"episode 'task-17:5' (role 'solver') step 1, {message}")
+    dropped, stats = trajectory_groups_to_batch(groups, replace(config, drop_malformed=True))
+    assert stats.dropped_malformed == 1 and stats.drop_fields == (name,)
+    kept = [i for i in range(clean.batch_size) if i != 17 * 8 + 5]
+    for key in clean.keys():
+        assert torch.equal(dropped[key][: len(kept)], clean[key][kept]), key
+    assert dropped.metadata["row_ids"][: len(kept)] == [clean.metadata["row_ids"][i] for i in kept]
+
+
 def test_advantage_length_mismatch_names_the_step():
     trajectory = Trajectory([Step([1], [2, 3], advantage=[1.0])])
     config = BatchConfig(pad_token_id=PAD, use_precomputed_advantages=True)
