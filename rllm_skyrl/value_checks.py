@@ -71,10 +71,10 @@ def _packs(value: Any, code: str) -> bool:
     return True
 
 
-def _read(label: str, index: int | None, name: str, value: Any, code: str, remedy: str) -> Any:
-    """``value`` as int64 (``code="q"``) or float64 (``"d"``): a list or tuple packed by ``struct``, or
-    a 1-D numpy array of an integer (or, for reals, float) dtype converted; ``remedy`` is said when
-    ``value`` is none of these."""
+def _read(label: str, index: int | None, name: str, value: Any, code: str, remedy: str) -> bytes:
+    """``value`` as int64 (``code="q"``) or float64 (``"d"``) bytes: a list or tuple packed by
+    ``struct``, or a 1-D numpy array of an integer (or, for reals, float) dtype converted; ``remedy``
+    is said when ``value`` is none of these."""
     what, kinds, dtype = ("integer", "iu", np.int64) if code == "q" else ("number", "iuf", np.float64)
     if isinstance(value, list | tuple):
         try:
