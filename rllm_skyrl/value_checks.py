@@ -56,16 +56,11 @@ def is_bool(value: Any) -> bool:
     )
 
 
-def _pack(values: list | tuple, code: str) -> bytes:
-    """``values`` as native int64 (``code="q"``) or float64 (``"d"``) bytes; raises if one is not an
-    integer (``operator.index``) / real number (``float()`` of a non-text value). A bound
-    ``Struct.pack`` copies the list once, ``struct.pack(fmt, ...)`` twice (a tenth more an element)."""
-    return struct.Struct(f"{len(values)}{code}").pack(*values)
-
-
 def _packs(value: Any, code: str) -> bool:
+    """Whether ``struct`` takes ``value`` as an integer (``code="q"``: ``operator.index``) or a real
+    number (``"d"``: ``float()`` of a non-text value)."""
     try:
-        _pack([value], code)
+        struct.pack(code, value)
     except Exception:  # struct.error, or whatever a value's own __index__ / __float__ raised
         return False
     return True
@@ -75,16 +70,16 @@ def _read(label: str, index: int | None, name: str, value: Any, code: str, remed
     """``value`` as int64 (``code="q"``) or float64 (``"d"``) bytes: a list or tuple packed by
     ``struct``, or a 1-D numpy array of an integer (or, for reals, float) dtype converted; ``remedy``
     is said when ``value`` is none of these."""
-    what, kinds, dtype = ("integer", "iu", np.int64) if code == "q" else ("number", "iuf", np.float64)
     if isinstance(value, list | tuple):
-        try:
-            return _pack(value, code)
+        try:  # a bound Struct.pack copies the list once, struct.pack(fmt, ...) twice (a tenth more)
+            return struct.Struct(f"{len(value)}{code}").pack(*value)
         except Exception:  # the first element struct refuses on its own is the one named
             position, item = next((i, item) for i, item in enumerate(value) if not _packs(item, code))
             problem = f"element {position} is {show(item)}"
             fix = "token ids must be integers (int or numpy integer)"
             fix = fix if code == "q" else "values must be real numbers (float or int)"
             raise MalformedTrajectoryError(label, index, name, problem, fix) from None
+    what, kinds, dtype = ("integer", "iu", np.int64) if code == "q" else ("number", "iuf", np.float64)
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds:
         return value.astype(dtype).tobytes()
     if isinstance(value, np.ndarray):
