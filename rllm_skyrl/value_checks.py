@@ -117,47 +117,32 @@ def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: st
 
 
 class _Lists:
-    """Lists of numbers read end to end into one buffer: list ``i`` is ``values(i, i + 1)``.
+    """Lists of numbers read end to end: list ``i`` is ``values(i, i + 1)``.
 
-    A subclass reads its lists and says which rule they break: ``breach(first, stop)`` is the
-    first rule lists ``first`` to ``stop`` break, as a bool among them (its position and itself)
-    or a word that ``named`` turns into the last list's problem and fix; ``None`` when they keep
-    every rule.
+    A subclass stores what it reads (``_values``: all of it as one array) and says which rule its
+    lists break: ``breach(first, stop)`` is the first rule lists ``first`` to ``stop`` break, as a
+    bool among them (its position and itself) or a word that ``named`` turns into the last list's
+    problem and fix; ``None`` when they keep every rule.
     """
 
-    typecode: str
-    dtype: type
     not_bool: str
 
     def __init__(self) -> None:
-        self.buffer = array(self.typecode)
-        self.packed: list[bytes] = []  # lists read after the buffer's, joined to it when asked for
         self.lists: list[Any] = []
         self.bounds = [0]
 
-    def _append(self, value: Any, packed: bytes | None = None) -> None:
-        """Count ``value`` in, appended to the buffer already or ``packed``: one join of many packed
-        lists costs less than growing the buffer by each (a copy of it whenever it moves)."""
-        if packed is not None:
-            self.packed.append(packed)
+    def _count(self, value: Any) -> None:
         self.lists.append(value)
         self.bounds.append(self.bounds[-1] + len(value))
 
-    def _join(self) -> array:
-        if self.packed:
-            self.buffer.frombytes(b"".join(self.packed))
-            self.packed.clear()
-        return self.buffer
-
     def values(self, first: int = 0, stop: int | None = None) -> np.ndarray:
-        """Lists ``first`` to ``stop`` (default: the last) end to end: a view of the buffer, which
-        cannot grow while a view is held."""
+        """Lists ``first`` to ``stop`` (default: the last) end to end."""
         stop = len(self.lists) if stop is None else stop
-        return np.frombuffer(self._join(), self.dtype)[self.bounds[first] : self.bounds[stop]]
+        return self._values()[self.bounds[first] : self.bounds[stop]]
 
     def truncate(self, count: int) -> None:
         """Forget every list after the first ``count``."""
-        del self._join()[self.bounds[count] :], self.lists[count:], self.bounds[count + 1 :]
+        del self.lists[count:], self.bounds[count + 1 :]
 
     def first_bool(self, first: int, flagged: np.ndarray) -> tuple[int, Any] | None:
         """The first ``flagged`` element (one worth 0 or 1, from list ``first`` on) that is a bool,
@@ -187,11 +172,11 @@ class IdLists(_Lists):
     int64: outside every vocabulary) and refuses negative ones (read by ``struct`` then). Otherwise
     an id beyond int64 is refused as an element, as the message names it."""
 
-    typecode, dtype = "Q", np.int64
     not_bool = "token ids must be integers, not bool"
 
     def __init__(self, vocab_size: int | None, fast: bool = False) -> None:
         super().__init__()
+        self.buffer = array("Q")  # read as int64; "Q" is what array.fromlist reads fastest
         self.fast = fast
         self.limit = _INT64_LIMIT if vocab_size is None else min(vocab_size, _INT64_LIMIT)
         self.span = "[0, 2**63)" if vocab_size is None else f"the vocabulary [0, {vocab_size})"
@@ -199,11 +184,20 @@ class IdLists(_Lists):
     def read(self, label: str, index: int | None, name: str, value: Any) -> None:
         if self.fast and type(value) is list:
             try:
-                self._join().fromlist(value)  # appends nothing when it refuses an element
-                return self._append(value)
+                self.buffer.fromlist(value)  # appends nothing when it refuses an element
+                return self._count(value)
             except Exception:  # OverflowError (a negative id), TypeError (not an integer), ...
                 pass
-        self._append(value, _read(label, index, name, value, "q", "pass the token ids as a list of ints"))
+        self.buffer.frombytes(_read(label, index, name, value, "q", "pass the token ids as a list of ints"))
+        self._count(value)
+
+    def _values(self) -> np.ndarray:
+        """A view of the buffer, which cannot grow while a view is held."""
+        return np.frombuffer(self.buffer, np.int64)
+
+    def truncate(self, count: int) -> None:
+        del self.buffer[self.bounds[count] :]
+        super().truncate(count)
 
     def breach(self, first: int = 0, stop: int | None = None) -> tuple[int, Any] | str | None:
         ids = self.values(first, stop).view(np.uint64)  # a negative id reads as 2**63 or more
@@ -226,20 +220,33 @@ class RealLists(_Lists):
     """Real numbers as float64, each list of a given length, none above ``at_most``; ``remedy`` is
     the field's own fix."""
 
-    typecode, dtype = "d", np.float64
     not_bool = "values must be real numbers, not bool"
 
     def __init__(self, at_most: float, remedy: str) -> None:
         super().__init__()
         self.at_most = at_most
         self.remedy = remedy
+        self.packed: list[bytes] = []  # one per list
+        self.joined: tuple[int, bytes] = (0, b"")  # how many of them, end to end
 
     def read(self, label: str, index: int | None, name: str, value: Any, length: int) -> None:
         packed = _read(label, index, name, value, "d", f"pass one number per response token; {self.remedy}")
         if len(value) != length:
             problem = f"{len(value)} values for {length} response tokens"
             raise MalformedTrajectoryError(label, index, name, problem, self.remedy)
-        self._append(value, packed)
+        self.packed.append(packed)
+        self._count(value)
+
+    def _values(self) -> np.ndarray:
+        """The packed lists joined once (growing an array by each copies it whenever it moves, and
+        copying the join into one costs a fresh allocation's page faults)."""
+        if self.joined[0] != len(self.packed):
+            self.joined = (len(self.packed), b"".join(self.packed))
+        return np.frombuffer(self.joined[1], np.float64)
+
+    def truncate(self, count: int) -> None:
+        del self.packed[count:]
+        super().truncate(count)
 
     def breach(self, first: int = 0, stop: int | None = None) -> tuple[int, Any] | str | None:
         values = self.values(first, stop)
