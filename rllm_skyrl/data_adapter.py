@@ -10,14 +10,12 @@ Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``): ``sequences`` lef
 ``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``. The rows
 are written by ``batch_layout.build_rows``, which produces exactly what SkyRL's
 ``convert_prompts_responses_to_batch_tensors`` does (the tests hold it to that) from numpy arrays
-instead of per-token Python lists. Every field is checked and read once, vectorised
-(``trajectory_checks``), before any tensor is built.
+instead of per-token Python lists. Every field is checked and read once, a chunk of trajectories
+at a time (``trajectory_checks``, ``step_reads``), before any tensor is built.
 
-Multi-turn merging: a step whose prompt starts with everything the row holds so far (previous
-prompt + previous responses) continues that row. The extra prompt tokens are observations
-(``loss_mask`` 0, logprob 0, advantage 0); its response tokens are model tokens (``loss_mask`` 1).
-A step that does not extend the row starts a new one. Steps are first split by
-``metadata["lineage_id"]`` (a sub-agent's turns never extend its parent's), as rLLM's transforms do.
+Multi-turn merging (``trajectory_rows``): a step whose prompt starts with everything the row holds
+so far continues that row; its extra prompt tokens are observations (``loss_mask`` 0), its
+response tokens model tokens (``loss_mask`` 1). A step that does not extend the row starts a new one.
 
 Keys written for the FSDP workers (``workers/worker.py`` ``_forward_backward_micro`` via
 ``BaseBatchIterator.batch_to_experience``): ``sequences``, ``attention_mask``, ``response_mask``,
@@ -32,30 +30,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
-import numpy as np
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
 from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, pad_to_multiple
-from rllm_skyrl.trajectory_checks import (
-    BatchReads,
-    MalformedTrajectoryError,
-    StepRun,
-    check_group,
-    check_group_id,
-    check_trajectory,
-    group_label,
-    int_ids,
-    outcome_reward,
-    real_scalar,
-    reward_given,
-    step_fields,
-    step_lineage,
-    trajectory_label,
-)
+from rllm_skyrl.step_reads import batch_step_runs
+from rllm_skyrl.trajectory_checks import check_group, group_label
+from rllm_skyrl.trajectory_rows import NO_ADVANTAGE, Row, trajectory_rows
+from rllm_skyrl.value_checks import IdLists, MalformedTrajectoryError
 
 
 class EmptyBatchError(ValueError):
@@ -134,142 +119,6 @@ class BatchStats:
         return out
 
 
-@dataclass
-class _Row:
-    """One training row under construction, begun by its first step: a prompt and its response window.
-
-    The row so far is always the last merged step's prompt followed by its response (``last``'s
-    run), which is what a continuing step's prompt must start with. Its window holds each merged
-    step's response (a trained span) after the observation tokens that step's prompt added.
-    """
-
-    label: str
-    group_id: str
-    first_step: int
-    last: StepRun
-    prompt_length: int
-    trained: list[Span] = field(default_factory=list)
-    reward: float = 0.0
-    model_tokens: int = 0
-    last_step: int = 0
-
-    @classmethod
-    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun) -> _Row:
-        row = cls(label, group_id, index, run, run.middle - run.start)
-        row.append(index, run)
-        return row
-
-    @property
-    def length(self) -> int:
-        return self.last.stop - self.last.start
-
-    @property
-    def response_length(self) -> int:
-        return self.length - self.prompt_length
-
-    def extended_by(self, run: StepRun) -> bool:
-        """Whether the step continues the row (its prompt starts with the row so far).
-
-        Compared as bytes: copying both runs and one ``memcmp`` take 0.6 ns an id, where two
-        memoryviews compare element by element (1.7 ns; a 4-turn batch at a GPU run's shape compares
-        3.8 M ids)."""
-        last, length = self.last, self.length
-        return (
-            run.middle - run.start >= length
-            and run.ids[run.start : run.start + length].tobytes()
-            == last.ids[last.start : last.start + length].tobytes()
-        )
-
-    def append(self, index: int, run: StepRun) -> None:
-        """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
-        column = run.middle - run.start - self.prompt_length
-        self.trained.append(Span(column, run.stop - run.middle, run.logprobs, run.advantages))
-        self.model_tokens += run.stop - run.middle
-        self.last, self.last_step = run, index
-
-    @property
-    def step_span(self) -> str:
-        if self.first_step == self.last_step:
-            return f"step {self.first_step}"
-        return f"steps {self.first_step}-{self.last_step}"
-
-    @property
-    def row_id(self) -> str:
-        return f"{self.label} {self.step_span}"
-
-    def spec(self) -> RowSpec:
-        last = self.last
-        return RowSpec(last.ids[last.start : last.stop], self.prompt_length, self.trained, self.reward)
-
-
-def _lineages(label: str, steps: Sequence[Any]) -> list[list[tuple[int, Any]]]:
-    """Steps split by ``metadata["lineage_id"]`` in first-seen order; untagged steps share one lineage."""
-    by_lineage: dict[Any, list[tuple[int, Any]]] = {}
-    for index, step in enumerate(steps):
-        by_lineage.setdefault(step_lineage(label, index, step), []).append((index, step))
-    return list(by_lineage.values())
-
-
-_NO_ADVANTAGE = object()
-
-
-def _trajectory_rows(
-    group: Any,
-    key: tuple[int, int],
-    trajectory: Any,
-    config: BatchConfig,
-    advantage: Any,
-    needs_advantages: bool,
-    reads: BatchReads,
-) -> tuple[list[_Row], int]:
-    """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
-
-    ``advantage`` is the trajectory's scalar advantage, ``_NO_ADVANTAGE`` when none is given.
-    """
-    label = trajectory_label(group, key[1])
-    group_id = check_group_id(group, label)
-    steps = check_trajectory(trajectory, label, config)
-    # A bad reward is the usual cause of a bad advantage, so it is named first; a missing one waits
-    # for the steps, whose own problems (a step that is not a step) are then the cause.
-    reward = outcome_reward(trajectory, label, config) if reward_given(trajectory) else None
-    scalar = None
-    if advantage is not _NO_ADVANTAGE:
-        scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
-    rows: list[_Row] = []
-    lineages = _lineages(label, steps)
-    runs = reads.steps(key, label, steps, scalar, needs_advantages)
-    for lineage in lineages:
-        row: _Row | None = None
-        for index, step in lineage:
-            if runs is not None:
-                run = runs[index]
-            else:  # checked step by step, so that the first problem met is the one named
-                run = step_fields(label, index, step, config, scalar, needs_advantages).run()
-            if row is not None and row.extended_by(run):
-                row.append(index, run)
-            elif run.middle == run.start:
-                raise MalformedTrajectoryError(
-                    label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
-                )
-            else:
-                row = _Row.begun_by(label, group_id, index, run)
-                rows.append(row)
-            if config.max_seq_len is not None and row.length > config.max_seq_len:
-                raise MalformedTrajectoryError(
-                    label,
-                    index,
-                    "sequence",
-                    f"the row built from {row.step_span} has {row.length} tokens, "
-                    f"more than max_seq_len={config.max_seq_len}",
-                    "raise max_seq_len or cap the rollout's prompt and response lengths",
-                )
-    if reward is None:
-        reward = outcome_reward(trajectory, label, config)
-    for row in rows:
-        row.reward = reward
-    return rows, len(steps)
-
-
 def trajectory_groups_to_batch(
     groups: Sequence[Any],
     config: BatchConfig,
@@ -298,31 +147,27 @@ def trajectory_groups_to_batch(
             f"trajectory_advantages has {len(trajectory_advantages)} entries for {len(groups)} groups"
         )
     needs_advantages = trajectory_advantages is not None or config.use_precomputed_advantages
-    rows: list[_Row] = []
+    rows: list[Row] = []
     steps_per_traj: list[int] = []
     rows_per_traj: list[int] = []
     dropped: list[MalformedTrajectoryError] = []
-
-    reads = BatchReads(
-        (
-            ((g, t), trajectory)
-            for g, group in enumerate(groups)
-            if isinstance(trajectories := getattr(group, "trajectories", None), list | tuple)
-            for t, trajectory in enumerate(trajectories)
-        ),
-        config,
-    )
 
     def drop(err: MalformedTrajectoryError) -> None:
         if not config.drop_malformed:
             raise err
         dropped.append(err)
 
+    checked: list[list[Any] | MalformedTrajectoryError] = []  # each group's trajectories
     for g, group in enumerate(groups):
         try:
-            trajectories = check_group(group, group_label(group, g))
+            checked.append(check_group(group, group_label(group, g)))
         except MalformedTrajectoryError as err:
-            drop(err)
+            checked.append(err)
+    # Read ahead a chunk at a time, in the order the loop below takes the trajectories.
+    step_runs = batch_step_runs((t for ts in checked if isinstance(ts, list) for t in ts), config)
+    for g, (group, trajectories) in enumerate(zip(groups, checked, strict=True)):
+        if isinstance(trajectories, MalformedTrajectoryError):
+            drop(trajectories)
             continue
         group_advantages = trajectory_advantages[g] if trajectory_advantages is not None else None
         if group_advantages is not None and len(group_advantages) != len(trajectories):
@@ -331,11 +176,10 @@ def trajectory_groups_to_batch(
                 f"{len(trajectories)} trajectories"
             )
         for t, trajectory in enumerate(trajectories):
-            advantage = group_advantages[t] if group_advantages is not None else _NO_ADVANTAGE
+            advantage = group_advantages[t] if group_advantages is not None else NO_ADVANTAGE
+            runs = next(step_runs)
             try:
-                traj_rows, num_steps = _trajectory_rows(
-                    group, (g, t), trajectory, config, advantage, needs_advantages, reads
-                )
+                traj_rows, num_steps = trajectory_rows(group, t, trajectory, config, advantage, runs)
             except MalformedTrajectoryError as err:
                 drop(err)
                 continue
@@ -377,22 +221,24 @@ def _sft_pair(label: str, example: Any, max_seq_len: int | None, vocab_size: int
         raise MalformedTrajectoryError(
             label, None, "example", f"is {example!r:.40}", "pass (prompt_ids, response_ids) pairs"
         )
-    prompt_ids = int_ids(label, None, "prompt_ids", example[0], vocab_size)
-    response_ids = int_ids(label, None, "response_ids", example[1], vocab_size)
-    if not len(prompt_ids) or not len(response_ids):
-        empty = "prompt_ids" if not len(prompt_ids) else "response_ids"
+    ids = IdLists(vocab_size)
+    for name, value in (("prompt_ids", example[0]), ("response_ids", example[1])):
+        ids.read(label, None, name, value)
+        ids.check_last(label, None, name)
+    tokens = ids.values()  # the prompt, then the response
+    n_prompt = ids.bounds[1]
+    if not n_prompt or n_prompt == len(tokens):
+        empty = "prompt_ids" if not n_prompt else "response_ids"
         raise MalformedTrajectoryError(label, None, empty, f"empty {empty}", "every example needs both parts")
-    total = len(prompt_ids) + len(response_ids)
-    if max_seq_len is not None and total > max_seq_len:
+    if max_seq_len is not None and len(tokens) > max_seq_len:
         raise MalformedTrajectoryError(
             label,
             None,
             "sequence",
-            f"{total} tokens, more than max_seq_len={max_seq_len}",
+            f"{len(tokens)} tokens, more than max_seq_len={max_seq_len}",
             "truncate the example or raise max_seq_len",
         )
-    tokens = np.concatenate([prompt_ids, response_ids])
-    return RowSpec(tokens, len(prompt_ids), [Span(0, len(response_ids))])
+    return RowSpec(tokens, n_prompt, [Span(0, len(tokens) - n_prompt)])
 
 
 def sft_examples_to_batch(

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
+from rllm_skyrl import step_reads
 from rllm_skyrl.batch_layout import PAD_ROW_ID
 from rllm_skyrl.data_adapter import (
     BatchConfig,
@@ -22,7 +23,7 @@ from rllm_skyrl.data_adapter import (
     sft_examples_to_batch,
     trajectory_groups_to_batch,
 )
-from rllm_skyrl.trajectory_checks import BatchReads, MalformedTrajectoryError
+from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)
@@ -307,7 +308,7 @@ def multi_turn(first: int) -> Trajectory:
     return Trajectory(steps, reward=1.0, uid=f"u-{first}")
 
 
-@pytest.mark.parametrize("chunk_ids", [1, 12, BatchReads.CHUNK_IDS])
+@pytest.mark.parametrize("chunk_ids", [1, 12, step_reads.CHUNK_IDS])
 @pytest.mark.parametrize(("trajectory", "config", "message", "field_name"), MALFORMED)
 def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
     trajectory, config, message, field_name, chunk_ids, monkeypatch
@@ -315,7 +316,7 @@ def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
     """Ids are read and checked a chunk of trajectories at a time: a bad trajectory's reads are
     undone, or its chunk's check fails and each of the chunk's trajectories is checked alone; the
     rows after it must come out exactly as they do without it, whatever the chunks hold."""
-    monkeypatch.setattr(BatchReads, "CHUNK_IDS", chunk_ids)
+    monkeypatch.setattr(step_reads, "CHUNK_IDS", chunk_ids)
     drop_config = replace(config, drop_malformed=True)
     goods = [multi_turn(10), multi_turn(40), multi_turn(70)]
     alone, _ = trajectory_groups_to_batch([group_of(*goods)], drop_config)
@@ -326,6 +327,47 @@ def test_a_dropped_trajectory_between_good_ones_leaves_their_rows_as_they_were(
     assert stats.drop_fields == (field_name, field_name) and message in stats.drop_reasons[0]
     for key in ("sequences", "attention_mask", "loss_mask", "rollout_logprobs", "rewards"):
         assert torch.equal(mixed[key], alone[key]), key
+
+
+def long_conversation(seed: int) -> Trajectory:
+    """Two merging turns, 1,600 ids read: a batch of 200 spans several of the reads' chunks."""
+    prompt = [2 + (seed * 7 + i) % 500 for i in range(400)]
+    response = [2 + (seed + i) % 500 for i in range(300)]
+    steps = [Step(prompt, response), Step(prompt + response + [3, 4], [5] * 200)]
+    return Trajectory(steps, reward=float(seed % 2), uid=f"u-{seed}")
+
+
+DEEP = [
+    ("response_ids", 123, True, "response_ids: element 123 is True (a bool); token ids must be integers"),
+    ("prompt_ids", 650, -5, "prompt_ids: token id -5 at position 650 is outside the vocabulary [0, 512)"),
+    ("prompt_ids", 701, 2.0, "prompt_ids: element 701 is 2.0; token ids must be integers"),
+    ("logprobs", 77, math.nan, "logprobs: element 77 is nan; the rollout engine must return"),
+    ("logprobs", 199, 0.5, "logprobs: element 199 is 0.5, above 0.0001; the rollout engine must return"),
+]
+
+
+@pytest.mark.parametrize(("name", "position", "value", "message"), DEEP)
+def test_a_malformed_element_deep_in_a_large_batch_is_named_exactly(name, position, value, message):
+    """The batch is read and checked a chunk at a time; one bad element among 320,000 ids is still
+    named by episode, step, field and position, and dropping its trajectory leaves every other row
+    exactly as the batch without it has it."""
+    groups = [
+        group_of(*(long_conversation(8 * g + t) for t in range(8)), task=f"task-{g}") for g in range(25)
+    ]
+    steps = [step for group in groups for trajectory in group.trajectories for step in trajectory.steps]
+    assert sum(len(step.prompt_ids) + len(step.response_ids) for step in steps) > 2 * step_reads.CHUNK_IDS
+    config = BatchConfig(pad_token_id=PAD, vocab_size=512)
+    clean, _ = trajectory_groups_to_batch(groups, config)
+    getattr(groups[17].trajectories[5].steps[1], name)[position] = value
+    with pytest.raises(MalformedTrajectoryError) as err:
+        trajectory_groups_to_batch(groups, config)
+    assert str(err.value).startswith(f"episode 'task-17:5' (role 'solver') step 1, {message}")
+    dropped, stats = trajectory_groups_to_batch(groups, replace(config, drop_malformed=True))
+    assert stats.dropped_malformed == 1 and stats.drop_fields == (name,)
+    kept = [i for i in range(clean.batch_size) if i != 17 * 8 + 5]
+    for key in clean.keys():
+        assert torch.equal(dropped[key][: len(kept)], clean[key][kept]), key
+    assert dropped.metadata["row_ids"][: len(kept)] == [clean.metadata["row_ids"][i] for i in kept]
 
 
 def test_advantage_length_mismatch_names_the_step():
