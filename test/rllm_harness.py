@@ -91,7 +91,6 @@ class RecordingBackend(SkyRLBackend):
     def init_rollout_engine(self, **kwargs):
         self._record("init_rollout_engine", keys=tuple(sorted(kwargs)))
         engine = super().init_rollout_engine(**kwargs)
-        self.early_roles = self.runtime.workers.early_roles
         finished: list[float] = []
         original = engine.get_token_output_from_token_input
 
