@@ -10,6 +10,9 @@ Trajectory roles may train with different policy losses (rLLM's per-role ``loss_
 mini-batch is then forward-backwarded once per loss on the rows of its roles. SkyRL's policy losses
 are masked sums over advantages already scaled for the whole mini-batch's reduction, so the split
 adds up to exactly the unsplit gradient.
+
+Losses decoupled for off-policy correction in bypass mode (``rllm_skyrl.off_policy``) are
+registered with SkyRL here, once the workers that look them up exist.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rllm_skyrl import off_policy
 from rllm_skyrl.batch_layout import real_rows, row_slice, select_rows
 from rllm_skyrl.losses import ResolvedLoss
 from rllm_skyrl.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
@@ -42,6 +46,9 @@ class PolicyUpdate:
         self.models = models
         self.dp_size = dp_size
         self.metrics = metrics
+        names = {loss.skyrl_loss_name for loss in (run.policy_loss, *run.role_losses.values())}
+        if any(off_policy.is_decoupled(name) for name in names):
+            off_policy.register(names)
 
     def boundaries(self, batch: Any) -> list[tuple[int, int]]:
         return minibatch_boundaries(real_rows(batch), self.run.num_minibatches, self.dp_size)
