@@ -6,6 +6,7 @@
   the old ones, so the weight compares the trainer with the sampler (never exactly 1).
 - Through SkyRL's workers on CPU: a workflow reports its sampled log-probs shifted by ``SHIFT``, so
   every token's true weight is ``exp(-SHIFT)``; the metrics must say so in both bypass modes.
+- ``rllm.algorithm.loss_fn=gspo`` trains under rLLM's own trainer.
 - (slow) A fully-async run with stale rollouts and TIS learns the digit task.
 """
 
@@ -268,12 +269,46 @@ def test_without_tis_a_step_calls_the_workers_as_the_quickstart_always_did(tmp_p
     assert not [key for key in record if key.startswith("rollout_correction/")]
 
 
-def rllm_run(tmp_path: Path, *overrides: str) -> list[dict]:
+def early_letter_reward(task: dict, action) -> object:
+    """1 when the answer starts below "n": about half of the tiny model's first tokens, so nearly
+    every group has a reward spread from the first step on."""
+    from rllm.rewards.reward_types import RewardOutput
+
+    reward = float((getattr(action, "action", action) or "")[:1].lower() < "n")
+    return RewardOutput(reward=reward, is_correct=reward > 0)
+
+
+@requires_rllm
+@pytest.mark.usefixtures("ray_cluster")
+def test_gspo_trains_under_rllms_trainer(tmp_path, monkeypatch):
+    """``rllm.algorithm.loss_fn=gspo`` from rLLM's own config reaches SkyRL's gspo loss, which
+    updates the policy every step."""
+    losses_sent: list[str | None] = []
+    original = SkyRLWorkers.forward_backward
+
+    def recording(self, role, batch, *args, **kwargs):
+        losses_sent.append(kwargs.get("loss_fn"))
+        return original(self, role, batch, *args, **kwargs)
+
+    monkeypatch.setattr(SkyRLWorkers, "forward_backward", recording)
+    records = rllm_run(
+        tmp_path,
+        "rllm.algorithm.loss_fn=gspo",
+        "training.group_size=8",
+        "data.train_batch_size=4",
+        "rllm.trainer.total_batches=3",
+        reward=early_letter_reward,
+    )
+    assert [r["step"] for r in records] == [1, 2, 3] and losses_sent == ["gspo"] * 3
+    assert all(r["train/grad_norm"] > 0 and math.isfinite(r["train/policy_loss"]) for r in records)
+
+
+def rllm_run(tmp_path: Path, *overrides: str, reward=digit_reward) -> list[dict]:
     """rLLM's own trainer and config (``rllm/backend=skyrl``) on the digit prompts: the step records."""
     from rllm.workflows.simple_workflow import SimpleWorkflow
 
     cfg = rllm_config(tmp_path, *DIGITS, "rllm.trainer.test_freq=0", *overrides)
-    run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
+    run_rllm(cfg, SimpleWorkflow, {"reward_function": reward}, digit_rows(4096))
     return [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
 
 
