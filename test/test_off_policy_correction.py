@@ -6,14 +6,17 @@
   the old ones, so the weight compares the trainer with the sampler (never exactly 1).
 - Through SkyRL's workers on CPU: a workflow reports its sampled log-probs shifted by ``SHIFT``, so
   every token's true weight is ``exp(-SHIFT)``; the metrics must say so in both bypass modes.
-- ``rllm.algorithm.loss_fn=gspo`` trains under rLLM's own trainer.
+- gspo and the solver-judge example with a loss per role train; each role's loss is in the metrics.
 - (slow) A fully-async run with stale rollouts and TIS learns the digit task.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,9 +33,11 @@ from rllm_skyrl.losses import resolve_loss
 from rllm_skyrl.records import Episode, Step, Trajectory
 from rllm_skyrl.run_config import ConfigError, resolve_run_config
 from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.standalone.config import AlgorithmConfig as StandaloneAlgorithmConfig
 from rllm_skyrl.standalone.workflow import Workflow, task_messages
 from rllm_skyrl.workers import SkyRLWorkers
 
+REPO = Path(__file__).resolve().parent.parent
 TIS = "rllm.algorithm.rollout_correction.tis_mode"
 BYPASS = "rllm.algorithm.rollout_correction.bypass_mode"
 CAP = "rllm.algorithm.rollout_correction.tis_cap"
@@ -85,6 +90,10 @@ def test_bypass_mode_trains_the_decoupled_loss_and_recomputation_skyrls(loss_fn)
             ["loss_fn='cispo'", "cispo_anchor='rollout'", "twice"],
         ),
         (["rllm.algorithm.adv_estimator=rloo"], ["loss_fn=null (adv_estimator=rloo: 'importance_sampling')"]),
+        (
+            ["+rllm.algorithm.estimator_map={judge:[grpo,dppo]}"],
+            ["the loss of trajectory role 'judge' ('dppo')", "twice"],
+        ),
     ],
 )
 def test_losses_that_cannot_apply_it_are_refused_naming_setting_and_loss(overrides, fragments):
@@ -125,6 +134,29 @@ def test_per_role_losses_set_in_code_are_checked_and_decoupled_too():
     refused = SimpleNamespace(estimator_map={"judge": "reinforce"}, loss_fn_map={})
     with pytest.raises(ConfigError, match=r"the loss of trajectory role 'judge' \('importance_sampling'\)"):
         run.with_algorithm_config(refused)
+
+
+def test_estimator_map_pairs_give_roles_their_losses_as_rllms_tuples_do():
+    run = resolve("+rllm.algorithm.estimator_map={solver:[grpo,ppo],judge:[rloo,cispo]}")
+    assert run.estimator_map == {"solver": "grpo", "judge": "rloo"}
+    assert run.loss_for("solver").loss_fn == "ppo" and run.loss_for("judge").loss_fn == "cispo"
+    cfg = compose_unified("+rllm.algorithm.estimator_map={solver:[grpo,ppo],judge:rloo}")
+    standalone = StandaloneAlgorithmConfig.from_config(cfg.rllm.algorithm)
+    assert standalone.estimator_map == {"solver": "grpo", "judge": "rloo"}
+    assert standalone.loss_fn_map == {"solver": "ppo"}
+
+
+@requires_rllm
+def test_rllms_estimator_map_tuples_give_roles_their_losses():
+    from rllm.trainer.algorithms.config import AlgorithmConfig as RllmAlgorithmConfig
+
+    config = RllmAlgorithmConfig(estimator_map={"solver": ("grpo", "ppo"), "judge": ("rloo", "cispo")})
+    run = resolve(f"{TIS}=token").with_algorithm_config(config)
+    assert run.estimator_map == {"solver": "grpo", "judge": "rloo"}
+    assert [run.loss_for(role).skyrl_loss_name for role in ("solver", "judge")] == [
+        "rllm_skyrl_decoupled:regular",
+        "rllm_skyrl_decoupled:cispo",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -310,6 +342,37 @@ def rllm_run(tmp_path: Path, *overrides: str, reward=digit_reward) -> list[dict]
     cfg = rllm_config(tmp_path, *DIGITS, "rllm.trainer.test_freq=0", *overrides)
     run_rllm(cfg, SimpleWorkflow, {"reward_function": reward}, digit_rows(4096))
     return [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+
+
+def test_solver_judge_trains_each_role_with_its_own_loss(tmp_path):
+    """The solver-judge example with ``[estimator, loss_fn]`` per role (rLLM's tuples): both roles
+    train, each role's rows with its loss, and each role's share of the loss is named in the metrics."""
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.solver_judge.train",
+            "rllm.trainer.total_batches=2",
+            "rllm.trainer.test_freq=0",
+            "+rllm.algorithm.estimator_map={solver:[grpo,ppo],judge:[grpo,cispo]}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [r for r in read_metrics(run_dir) if "progress/batch" in r]
+    assert len(records) == 2
+    for record in records:
+        per_role = {key for key in record if key.startswith("train/policy_loss/")}
+        assert per_role == {"train/policy_loss/solver/ppo", "train/policy_loss/judge/cispo"}
+        assert all(math.isfinite(record[key]) for key in per_role)
+        assert {"reward/solver/mean", "reward/judge/mean", "train/grad_norm"} <= set(record)
 
 
 @requires_rllm

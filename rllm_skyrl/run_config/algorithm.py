@@ -59,12 +59,7 @@ def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
     estimator = select(cfg, "rllm.algorithm.adv_estimator", "grpo")
     if estimator not in SUPPORTED_ESTIMATORS:
         raise ValueError(f"rllm.algorithm.adv_estimator={estimator!r}: choose one of {SUPPORTED_ESTIMATORS}")
-    estimator_map = dict(select(cfg, "rllm.algorithm.estimator_map") or {})
-    for role, role_estimator in estimator_map.items():
-        if role_estimator not in OUTCOME_ESTIMATORS:
-            raise ValueError(
-                f"rllm.algorithm.estimator_map.{role}={role_estimator!r}: choose one of {OUTCOME_ESTIMATORS}"
-            )
+    estimator_map, loss_fn_map = _role_maps(select(cfg, "rllm.algorithm.estimator_map") or {})
     rollout_n = int(select(cfg, "rllm.rollout.n", 1))
     if estimator in _GROUP_ESTIMATORS and rollout_n < 2:
         raise ValueError(f"adv_estimator={estimator} compares rollouts of one task: set rllm.rollout.n >= 2")
@@ -74,12 +69,35 @@ def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
         "norm_adv_by_std": bool(select(cfg, "rllm.algorithm.norm_adv_by_std_in_grpo", True)),
         "use_precomputed_advantage": bool(select(cfg, "rllm.algorithm.use_precomputed_advantage", False)),
         "filter_zero_variance_groups": bool(select(cfg, "training.filter_zero_variance_groups", False)),
-        **_losses(cfg, estimator, estimator_map),
+        **_losses(cfg, estimator, estimator_map, loss_fn_map),
         "bypass_mode": bool(select(cfg, "rllm.algorithm.rollout_correction.bypass_mode", True)),
     }
 
 
-def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> dict[str, Any]:
+def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """``rllm.algorithm.estimator_map`` -> per-role estimators and losses.
+
+    A value is an estimator, or ``[estimator, loss_fn]`` as rLLM's ``AlgorithmConfig`` takes
+    ``(estimator, loss_fn)`` tuples.
+    """
+    estimators: dict[str, str] = {}
+    role_losses: dict[str, str] = {}
+    for role, value in raw.items():
+        pair = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
+        if len(pair) != (1 if isinstance(value, str) else 2) or pair[0] not in OUTCOME_ESTIMATORS:
+            raise ValueError(
+                f"rllm.algorithm.estimator_map.{role}={value!r}: choose one of {OUTCOME_ESTIMATORS}, "
+                "or [estimator, loss_fn]"
+            )
+        estimators[role] = pair[0]
+        if len(pair) == 2:
+            role_losses[role] = pair[1]
+    return estimators, role_losses
+
+
+def _losses(
+    cfg: DictConfig, estimator: str, estimator_map: dict[str, str], loss_fn_map: dict[str, str]
+) -> dict[str, Any]:
     """The policy loss (per role, for the roles with their own estimator), the critic's, the reduction."""
     loss_fn_config = select(cfg, "training.loss_fn_config")
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
@@ -87,7 +105,7 @@ def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> d
     try:
         policy_loss = _policy_loss(estimator, named, loss_fn_config)
         role_losses = {
-            role: _policy_loss(role_estimator, named, loss_fn_config)
+            role: _policy_loss(role_estimator, loss_fn_map.get(role) or named, loss_fn_config)
             for role, role_estimator in estimator_map.items()
         }
         critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
