@@ -159,6 +159,26 @@ def test_rllms_estimator_map_tuples_give_roles_their_losses():
     ]
 
 
+@requires_rllm
+def test_every_key_of_rllms_algorithm_block_is_in_our_base_config_and_the_readme_table():
+    """A key rLLM adds shows up here first: the standalone config must carry it and the README
+    must say whether it is accepted."""
+    import rllm
+    from omegaconf import OmegaConf
+
+    from rllm_skyrl.run_config.tree import flatten
+
+    theirs = OmegaConf.load(Path(rllm.__file__).parent / "trainer/config/rllm/base.yaml").algorithm
+    ours = OmegaConf.load(REPO / "config/rllm/base.yaml").algorithm
+    readme = (REPO / "README.md").read_text()
+    table = readme[
+        readme.index("Every key of rLLM's algorithm block") : readme.index("**Off-policy correction.**")
+    ]
+    for key in flatten(OmegaConf.to_container(theirs)):
+        assert OmegaConf.select(ours, key, default="absent") != "absent", key
+        assert f"`{key}`" in table, key
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
