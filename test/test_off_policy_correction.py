@@ -263,15 +263,15 @@ class ShiftedLogprobsWorkflow(Workflow):
         )
 
 
-def shifted_run(root: Path, monkeypatch, *overrides: str) -> tuple[dict, list[tuple[str, str, str | None]]]:
+def shifted_run(root: Path, monkeypatch, *overrides: str) -> tuple[dict, list[tuple[str, str, dict]]]:
     """One step of ``ShiftedLogprobsWorkflow``: its metrics, and every call on the workers as
-    ``(method, role, loss named)`` (None: the loss the workers were built with)."""
-    calls: list[tuple[str, str, str | None]] = []
+    ``(method, role, loss keyword arguments)`` (none: the loss the workers were built with)."""
+    calls: list[tuple[str, str, dict]] = []
     for method in ("forward", "forward_backward"):
         original = getattr(SkyRLWorkers, method)
 
         def recording(self, role, *args, _method=method, _original=original, **kwargs):
-            calls.append((_method, role, kwargs.get("loss_fn")))
+            calls.append((_method, role, dict(kwargs)))
             return _original(self, role, *args, **kwargs)
 
         monkeypatch.setattr(SkyRLWorkers, method, recording)
@@ -300,12 +300,12 @@ def test_the_weights_compare_the_trainer_with_the_sampler_in_both_modes(tmp_path
     the server's to float rounding, so every weight is exp(-SHIFT) = 1.284 and the cap 1.2 cuts all.
 
     Bypass mode gets there with no forward pass before the update (its decoupled loss goes to the
-    workers by name); recomputation with one, and the loss the workers were built with."""
+    workers by name alone: no config to merge); recomputation with one, and the workers' own loss."""
     record, calls = shifted_run(tmp_path, monkeypatch, f"{TIS}=token", f"{CAP}=1.2", f"{BYPASS}={bypass}")
     if bypass:
-        assert calls == [("forward_backward", "policy", "rllm_skyrl_decoupled:regular")]
+        assert calls == [("forward_backward", "policy", {"loss_fn": "rllm_skyrl_decoupled:regular"})]
     else:
-        assert calls == [("forward", "policy", None), ("forward_backward", "policy", None)]
+        assert calls == [("forward", "policy", {}), ("forward_backward", "policy", {})]
     assert record["rollout_correction/rollout_is_mean"] == pytest.approx(math.exp(-SHIFT), rel=1e-4)
     assert record["rollout_correction/rollout_is_max"] == pytest.approx(math.exp(-SHIFT), rel=1e-4)
     assert record["rollout_correction/rollout_is_ratio_fraction_high"] == 1.0
@@ -317,7 +317,7 @@ def test_without_tis_a_step_calls_the_workers_as_the_quickstart_always_did(tmp_p
     """No forward pass, one forward-backward with the loss the workers were built with (no lookup,
     no config merge), and no correction metrics."""
     record, calls = shifted_run(tmp_path, monkeypatch)
-    assert calls == [("forward_backward", "policy", None)]
+    assert calls == [("forward_backward", "policy", {})]
     assert not [key for key in record if key.startswith("rollout_correction/")]
 
 
