@@ -83,15 +83,20 @@ def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     estimators: dict[str, str] = {}
     role_losses: dict[str, str] = {}
     for role, value in raw.items():
-        pair = [value] if isinstance(value, str) else list(value) if isinstance(value, list | tuple) else []
-        if len(pair) != (1 if isinstance(value, str) else 2) or pair[0] not in OUTCOME_ESTIMATORS:
+        if isinstance(value, str):
+            estimator, loss_fn = value, None
+        elif isinstance(value, list | tuple) and len(value) == 2:
+            estimator, loss_fn = value
+        else:
+            estimator = loss_fn = None
+        if estimator not in OUTCOME_ESTIMATORS:
             raise ValueError(
                 f"rllm.algorithm.estimator_map.{role}={value!r}: choose one of {OUTCOME_ESTIMATORS}, "
                 "or [estimator, loss_fn]"
             )
-        estimators[role] = pair[0]
-        if len(pair) == 2:
-            role_losses[role] = pair[1]
+        estimators[role] = estimator
+        if loss_fn is not None:
+            role_losses[role] = loss_fn
     return estimators, role_losses
 
 
@@ -181,8 +186,9 @@ def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> O
 
 
 def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
-    """The ``key=value`` that turns SkyRL's off-policy correction on (its own test:
-    ``off_policy_correction_utils.off_policy_correction_enabled``), or None."""
+    """The ``key=value`` that turns SkyRL's off-policy correction on, or None: SkyRL's own test
+    (``off_policy_correction_utils.off_policy_correction_enabled``) read off the config, since the
+    config layer imports no torch (and that module does)."""
     tis_mode = select(cfg, "rllm.algorithm.rollout_correction.tis_mode")
     if tis_mode is not None:
         return f"rllm.algorithm.rollout_correction.tis_mode={tis_mode!r}"
