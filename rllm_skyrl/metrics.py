@@ -7,6 +7,14 @@ SkyRL's workers name things differently (``policy_entropy``, ``policy_lr``, ...)
 renames them. SkyRL's true entropy over the vocabulary is ``train/policy_entropy``: rLLM's
 ``train/entropy`` is the sampled tokens' negative log-likelihood.
 
+Off-policy correction goes under the names rLLM's verl backend logs (``rollout_correction/*``, from
+verl's ``compute_rollout_correction_weights``) with SkyRL's definitions
+(``off_policy_correction_utils.compute_off_policy_correction``): ``rollout_is_mean`` and
+``rollout_is_max`` are the mean and max of the uncapped token ratio ``exp(old - rollout)`` over loss
+tokens (verl's mean is of the capped weights, and its sequence-level max of sequence ratios);
+``rollout_is_ratio_fraction_high`` is the fraction of tokens (token TIS) or sequences (sequence TIS)
+whose weight the cap cut, as verl's.
+
 ``StepMetrics`` gathers one optimizer step's metrics over however many calls make it up: rLLM's
 fully-async mode transforms and forward-backwards a step's groups in chunks before one update.
 """
@@ -35,6 +43,12 @@ _POLICY_NAMES = {
     "loss": "train/loss",
     "response_length": "train/response_tokens",
 }
+_CORRECTION_NAMES = {
+    "loss_metrics/is_ratio_mean": "rollout_correction/rollout_is_mean",
+    "loss_metrics/is_ratio_max": "rollout_correction/rollout_is_max",
+    "loss_metrics/tis_token_clip_high_ratio": "rollout_correction/rollout_is_ratio_fraction_high",
+    "loss_metrics/tis_seq_clip_high_ratio": "rollout_correction/rollout_is_ratio_fraction_high",
+}
 _CRITIC_NAMES = {
     "critic_loss": "critic/value_loss",
     "final_loss": "critic/loss",
@@ -45,7 +59,7 @@ _CRITIC_NAMES = {
 
 def worker_metrics(role: str, metrics: dict[str, Any]) -> dict[str, float]:
     """SkyRL worker metrics -> our names; anything unmapped keeps its name under ``<role>/``."""
-    names = _POLICY_NAMES if role == "policy" else _CRITIC_NAMES
+    names = {**_POLICY_NAMES, **_CORRECTION_NAMES} if role == "policy" else _CRITIC_NAMES
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if isinstance(value, int | float):
@@ -102,7 +116,8 @@ _SUMMED = frozenset(
 
 class StepMetrics:
     """Metrics of one optimizer step: ``time/*`` and counts are summed over calls, ``*/max`` and
-    ``*/min`` keep the extreme, everything else is averaged."""
+    ``*/min`` (and ``*_max``, ``*_min``, as SkyRL's workers reduce them) keep the extreme,
+    everything else is averaged."""
 
     def __init__(self) -> None:
         self._samples: dict[str, list[float]] = defaultdict(list)
@@ -128,9 +143,9 @@ class StepMetrics:
         for key, values in self._samples.items():
             if key.startswith("time/") or key in _SUMMED:
                 out[key] = sum(values)
-            elif key.endswith("/max"):
+            elif key.endswith(("/max", "_max")):
                 out[key] = max(values)
-            elif key.endswith("/min"):
+            elif key.endswith(("/min", "_min")):
                 out[key] = min(values)
             else:
                 out[key] = sum(values) / len(values)

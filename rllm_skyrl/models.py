@@ -284,19 +284,19 @@ class ModelRegistry:
     # ------------------------------------------------------------------ plumbing
 
     def _update_loss_kwargs(self, resolved: ResolvedLoss) -> dict[str, Any]:
-        """The loss arguments of a policy update; none when ``resolved`` is the loss the workers hold.
+        """The loss arguments of a policy update: only those that differ from what the workers hold.
 
         Given a loss by name, SkyRL's worker looks it up in its function registry (a sync with Ray's
-        key-value store) and merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf,
-        once per micro-batch: milliseconds of a quickstart step. Without them it computes its
-        configured loss (``policy_loss_fn``) with its AlgorithmConfig, which SkyRL's own trainer
-        does, and which is the same loss when the name and every override already match.
+        key-value store), and given ``loss_fn_config`` it merges that into its AlgorithmConfig with
+        OmegaConf, once per micro-batch (10-30 ms here). Without them it computes its configured
+        loss (``policy_loss_fn``) with its AlgorithmConfig, which SkyRL's own trainer does; a
+        config every override of which already matches is sent as the name alone.
         """
         algorithm = self._algorithm[POLICY]
-        configured = resolved.skyrl_loss_name == self._built_policy_loss and all(
-            getattr(algorithm, key, _MISSING) == value for key, value in resolved.skyrl_config.items()
-        )
-        return {} if configured else resolved.dispatch_kwargs()
+        if any(getattr(algorithm, key, _MISSING) != value for key, value in resolved.skyrl_config.items()):
+            return resolved.dispatch_kwargs()
+        built = resolved.skyrl_loss_name == self._built_policy_loss
+        return {} if built else {"loss_fn": resolved.skyrl_loss_name}
 
     def _set_critic_value_clip(self, value_clip: float | None) -> None:
         """SkyRL's critic reads ``value_clip`` from worker state, not per call: push changes only."""

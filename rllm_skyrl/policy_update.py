@@ -7,9 +7,13 @@ caller (``update_policy``), so gradients of several calls accumulate when rLLM's
 hands one step's groups in chunks.
 
 Trajectory roles may train with different policy losses (rLLM's per-role ``loss_fn_map``): a
-mini-batch is then forward-backwarded once per loss on the rows of its roles. SkyRL's policy losses
-are masked sums over advantages already scaled for the whole mini-batch's reduction, so the split
-adds up to exactly the unsplit gradient.
+mini-batch is then forward-backwarded once per role on that role's rows, with its loss, and each
+role's share of the mini-batch's policy loss is ``train/policy_loss/<role>/<loss_fn>``. SkyRL's
+policy losses are masked sums over advantages already scaled for the whole mini-batch's reduction,
+so the shares add up to the unsplit loss and their gradients to exactly the unsplit gradient.
+
+Losses decoupled for off-policy correction in bypass mode (``rllm_skyrl.off_policy``) are
+registered with SkyRL here, once the workers that look them up exist.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from rllm_skyrl import off_policy
 from rllm_skyrl.batch_layout import real_rows, row_slice, select_rows
-from rllm_skyrl.losses import ResolvedLoss
 from rllm_skyrl.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
 
 
@@ -43,6 +47,9 @@ class PolicyUpdate:
         self.models = models
         self.dp_size = dp_size
         self.metrics = metrics
+        names = {loss.skyrl_loss_name for loss in (run.policy_loss, *run.role_losses.values())}
+        if any(off_policy.is_decoupled(name) for name in names):
+            off_policy.register(names)
         for role in run.trained_roles:
             models.create_model(role, model_role=role)
 
@@ -67,21 +74,26 @@ class PolicyUpdate:
                 self.optim_step()
 
     def _policy(self, batch: Any, start: int, end: int, first: bool) -> None:
-        by_loss: list[tuple[ResolvedLoss, list[int]]] = []
-        for offset, role in enumerate(row_roles(batch)[start:end]):
-            loss = self.run.loss_for(role)
-            rows = next((rows for known, rows in by_loss if known == loss), None)
-            if rows is None:
-                rows = []
-                by_loss.append((loss, rows))
-            rows.append(start + offset)
-        for loss, rows in by_loss:
-            if len(by_loss) == 1:
-                part = row_slice(batch, start, end, self.dp_size)
-            else:
-                part = select_rows(batch, rows, self.dp_size)
+        roles = row_roles(batch)[start:end]
+        losses = {role: self.run.loss_for(role) for role in dict.fromkeys(roles)}
+        if all(loss == losses[roles[0]] for loss in losses.values()):
+            parts = [(None, losses[roles[0]], row_slice(batch, start, end, self.dp_size))]
+        else:
+            parts = [
+                (
+                    role,
+                    loss,
+                    select_rows(batch, [start + i for i, r in enumerate(roles) if r == role], self.dp_size),
+                )
+                for role, loss in losses.items()
+            ]
+        for role, loss, part in parts:
             output = self.models.forward_backward("policy", part, loss, elementwise_loss=False)
-            self.metrics.add(worker_metrics("policy", output.metrics))
+            metrics = worker_metrics("policy", output.metrics)
+            self.metrics.add(metrics)
+            if role is not None:
+                share = metrics.get("train/policy_loss", metrics.get("train/loss"))
+                self.metrics.add({f"train/policy_loss/{role}/{loss.loss_fn}": share})
             if first:  # the sampler-vs-trainer gap is measured before any update of this batch
                 logprobs = [{"logprobs": row["logprobs"]["data"]} for row in output.loss_fn_outputs]
                 self.metrics.add(logprob_gap_metrics(part, logprobs))

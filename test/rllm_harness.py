@@ -184,6 +184,18 @@ def run_rllm(
     return backend
 
 
+def digit_run(tmp_path: Path, *overrides: str, reward=digit_reward) -> list[dict]:
+    """rLLM's ``SimpleWorkflow`` on the digit prompts under rLLM's trainer and config, no validation:
+    the step records of ``metrics.jsonl``."""
+    from rllm.workflows.simple_workflow import SimpleWorkflow
+
+    from rllm_skyrl.run_log import read_metrics
+
+    cfg = rllm_config(tmp_path, *DIGITS, "rllm.trainer.test_freq=0", *overrides)
+    run_rllm(cfg, SimpleWorkflow, {"reward_function": reward}, digit_rows(4096))
+    return [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+
+
 def requests_during(backend: RecordingBackend) -> int:
     """Requests that finished while a forward-backward ran (rollouts kept going during training)."""
     return sum(

@@ -44,7 +44,7 @@ def example_config(tmp_path, *overrides: str):
         ("training.resume_mode=resume_path", "training.resume_from_path"),
         ("training.group_size=1", "rllm.rollout.n >= 2"),
         ("+skyrl.trainer.not_a_key=1", "not_a_key"),
-        ("rllm.algorithm.rollout_correction.tis_mode=token", "tis_mode"),
+        ("rllm.algorithm.router_replay=R2", "rllm.algorithm.router_replay"),
         ("training.num_minibatches=3", "training.num_minibatches"),
     ],
 )

@@ -13,6 +13,7 @@ from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, ppo_critic_loss
 
+from rllm_skyrl import off_policy
 from rllm_skyrl.batch_layout import right_aligned
 from rllm_skyrl.data_adapter import sft_examples_to_batch
 from rllm_skyrl.losses import resolve_loss
@@ -208,6 +209,10 @@ def test_the_configured_loss_reaches_the_workers_without_a_name_or_overrides(tin
     }
     assert sent("cispo")["loss_fn"] == "cispo"
     registry.set_algorithm_config("pol", eps_clip_low=0.1, eps_clip_high=0.1)
+    # Another loss whose every override the workers already hold: its name alone, no config to merge.
+    assert sent(off_policy.decoupled(resolve_loss("policy", "ppo"))) == {
+        "loss_fn": "rllm_skyrl_decoupled:regular"
+    }
     assert sent("ppo", tighter) == {}
     registry.set_algorithm_config("pol", policy_loss_type="cispo")  # the workers' loss stays "regular"
     assert sent("cispo")["loss_fn"] == "cispo" and sent("ppo", tighter)["loss_fn"] == "regular"

@@ -21,7 +21,7 @@ the command line, a yaml file or a dict, and resolving never changes the config 
 aliases      other backends' keys -> ours, as a new config (``with_aliases``)
 bridge       our keys -> SkyRL's keys, one table
 resolve      ``resolve_run_config``, section by section; ``settings`` the ``RunConfig`` it returns
-algorithm    estimators, losses, loss reduction, old logprobs (the ``rllm.algorithm`` section)
+algorithm    estimators, losses, loss reduction, old logprobs, off-policy correction (``rllm.algorithm``)
 lora         tinker's LoRA keys -> SkyRL's trainer.policy.model.lora (target modules from the model)
 model_paths  model names -> directories this machine can load
 values       type and range of every user-facing key

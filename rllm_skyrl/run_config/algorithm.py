@@ -2,16 +2,23 @@
 
 Everything ``rllm.algorithm.*`` (and ``training.loss_fn_config``) decides about the update, checked
 and resolved once per run. The per-role losses rLLM users set in code come later, with the
-trainer's ``AlgorithmConfig`` (``RunConfig.with_algorithm_config``, by the same default).
+trainer's ``AlgorithmConfig`` (``RunConfig.with_algorithm_config``, by the same default and the
+same off-policy checks).
+
+Off-policy correction (``rllm.algorithm.rollout_correction.tis_mode``, or SkyRL's own
+``trainer.algorithm.off_policy_correction`` keys) is resolved once SkyRL's config exists
+(``off_policy_settings``): it decides whether each policy loss can apply it, and in bypass mode
+trains every loss through its decoupled variant (``rllm_skyrl.off_policy`` says why).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig
 
-from rllm_skyrl import losses
+from rllm_skyrl import losses, off_policy
 from rllm_skyrl.run_config.tree import select
 
 # rLLM's outcome estimators (``advantages``); GAE is SkyRL's and needs a critic.
@@ -33,6 +40,7 @@ SKYRL_LOSS_REDUCTIONS: dict[str, tuple[str, int | None]] = {
 }
 # The policy loss when rllm.algorithm.loss_fn names none, as rLLM's tinker backend picks it.
 _LOSS_BY_ESTIMATOR = {"grpo": "ppo", "gae": "ppo"}
+_SKYRL_CORRECTION = "skyrl.trainer.algorithm.off_policy_correction"
 
 
 def default_policy_loss(estimator: str) -> str:
@@ -51,12 +59,7 @@ def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
     estimator = select(cfg, "rllm.algorithm.adv_estimator", "grpo")
     if estimator not in SUPPORTED_ESTIMATORS:
         raise ValueError(f"rllm.algorithm.adv_estimator={estimator!r}: choose one of {SUPPORTED_ESTIMATORS}")
-    estimator_map = dict(select(cfg, "rllm.algorithm.estimator_map") or {})
-    for role, role_estimator in estimator_map.items():
-        if role_estimator not in OUTCOME_ESTIMATORS:
-            raise ValueError(
-                f"rllm.algorithm.estimator_map.{role}={role_estimator!r}: choose one of {OUTCOME_ESTIMATORS}"
-            )
+    estimator_map, loss_fn_map = _role_maps(select(cfg, "rllm.algorithm.estimator_map") or {})
     rollout_n = int(select(cfg, "rllm.rollout.n", 1))
     if estimator in _GROUP_ESTIMATORS and rollout_n < 2:
         raise ValueError(f"adv_estimator={estimator} compares rollouts of one task: set rllm.rollout.n >= 2")
@@ -66,12 +69,40 @@ def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
         "norm_adv_by_std": bool(select(cfg, "rllm.algorithm.norm_adv_by_std_in_grpo", True)),
         "use_precomputed_advantage": bool(select(cfg, "rllm.algorithm.use_precomputed_advantage", False)),
         "filter_zero_variance_groups": bool(select(cfg, "training.filter_zero_variance_groups", False)),
-        **_losses(cfg, estimator, estimator_map),
-        **_rollout_correction(cfg),
+        **_losses(cfg, estimator, estimator_map, loss_fn_map),
+        "bypass_mode": bool(select(cfg, "rllm.algorithm.rollout_correction.bypass_mode", True)),
     }
 
 
-def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> dict[str, Any]:
+def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """``rllm.algorithm.estimator_map`` -> per-role estimators and losses.
+
+    A value is an estimator, or ``[estimator, loss_fn]`` as rLLM's ``AlgorithmConfig`` takes
+    ``(estimator, loss_fn)`` tuples.
+    """
+    estimators: dict[str, str] = {}
+    role_losses: dict[str, str] = {}
+    for role, value in raw.items():
+        if isinstance(value, str):
+            estimator, loss_fn = value, None
+        elif isinstance(value, list | tuple) and len(value) == 2:
+            estimator, loss_fn = value
+        else:
+            estimator = loss_fn = None
+        if estimator not in OUTCOME_ESTIMATORS:
+            raise ValueError(
+                f"rllm.algorithm.estimator_map.{role}={value!r}: choose one of {OUTCOME_ESTIMATORS}, "
+                "or [estimator, loss_fn]"
+            )
+        estimators[role] = estimator
+        if loss_fn is not None:
+            role_losses[role] = loss_fn
+    return estimators, role_losses
+
+
+def _losses(
+    cfg: DictConfig, estimator: str, estimator_map: dict[str, str], loss_fn_map: dict[str, str]
+) -> dict[str, Any]:
     """The policy loss (per role, for the roles with their own estimator), the critic's, the reduction."""
     loss_fn_config = select(cfg, "training.loss_fn_config")
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
@@ -79,7 +110,7 @@ def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> d
     try:
         policy_loss = _policy_loss(estimator, named, loss_fn_config)
         role_losses = {
-            role: _policy_loss(role_estimator, named, loss_fn_config)
+            role: _policy_loss(role_estimator, loss_fn_map.get(role) or named, loss_fn_config)
             for role, role_estimator in estimator_map.items()
         }
         critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
@@ -105,10 +136,93 @@ def _losses(cfg: DictConfig, estimator: str, estimator_map: dict[str, str]) -> d
     }
 
 
-def _rollout_correction(cfg: DictConfig) -> dict[str, Any]:
-    """Old logprobs: the rollout's own (``bypass_mode``, no extra forward pass) or recomputed."""
-    if select(cfg, "rllm.algorithm.rollout_correction.tis_mode"):
+# ---------------------------------------------------------------------------- off-policy correction
+
+
+@dataclass(frozen=True)
+class OffPolicySettings:
+    """SkyRL's off-policy correction as a run trains with it (``rllm_skyrl.off_policy``).
+
+    ``setting`` is the ``key=value`` that turned it on (for messages), None when it is off;
+    ``decoupled`` means bypass mode, where every policy loss trains through its decoupled variant.
+    """
+
+    setting: str | None = None
+    decoupled: bool = False
+    cispo_anchor: str = "old"  # SkyRL's trainer.algorithm.cispo.cispo_anchor: cispo losses' default
+
+    def loss(self, loss: losses.ResolvedLoss, who: str) -> losses.ResolvedLoss:
+        """``loss`` as the run trains it. Raises ``ValueError`` when it cannot apply the correction."""
+        if self.setting is None:
+            return loss
+        reason = off_policy.uncorrected_reason(loss, self.cispo_anchor)
+        if reason is not None:
+            raise ValueError(
+                f"{self.setting} cannot apply to {who}: {reason}; use ppo, gspo or cispo there "
+                "(SkyRL's losses that apply it)"
+            )
+        return off_policy.decoupled(loss) if self.decoupled else loss
+
+
+def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> OffPolicySettings:
+    """Whether (and how) the run corrects for off-policy rollouts. Raises ``ValueError`` for bypass
+    mode with several optimizer steps per batch (see ``rllm_skyrl.off_policy``)."""
+    trainer = skyrl_cfg.trainer
+    setting = _correction_setting(cfg, trainer.algorithm.off_policy_correction)
+    minibatches = trainer.train_batch_size // trainer.policy_mini_batch_size
+    epochs = trainer.update_epochs_per_batch
+    if setting is not None and bypass_mode and minibatches * epochs > 1:
         raise ValueError(
-            "rllm.algorithm.rollout_correction.tis_mode is not supported by the SkyRL backend yet"
+            f"{setting} with rllm.algorithm.rollout_correction.bypass_mode=true and "
+            f"{minibatches * epochs} optimizer steps per batch (training.num_minibatches={minibatches}, "
+            f"training.update_epochs={epochs}): bypass mode weighs the rollout's log-probs against the "
+            "trainer's own, which are the policy before the update only until the batch's first step; "
+            "set rllm.algorithm.rollout_correction.bypass_mode=false (the old log-probs are then "
+            "recomputed once before the update)"
         )
-    return {"bypass_mode": bool(select(cfg, "rllm.algorithm.rollout_correction.bypass_mode", True))}
+    return OffPolicySettings(
+        setting, setting is not None and bypass_mode, trainer.algorithm.cispo.cispo_anchor
+    )
+
+
+def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
+    """The ``key=value`` that turns SkyRL's off-policy correction on, or None: SkyRL's own test
+    (``off_policy_correction_utils.off_policy_correction_enabled``) read off the config, since the
+    config layer imports no torch (and that module does)."""
+    tis_mode = select(cfg, "rllm.algorithm.rollout_correction.tis_mode")
+    if tis_mode is not None:
+        return f"rllm.algorithm.rollout_correction.tis_mode={tis_mode!r}"
+    switches = ["tis_ratio_type", "sequence_mask_metric"]
+    switches += ["outlier_token_is_threshold_low", "outlier_token_is_threshold_high"]
+    if (
+        correction.token_mask_is_threshold_low is not None
+        and correction.token_mask_is_threshold_high is not None
+    ):
+        switches.append("token_mask_is_threshold_low")
+    for name in switches:
+        value = getattr(correction, name)
+        if value is not None:
+            return f"{_SKYRL_CORRECTION}.{name}={value!r}"
+    return None
+
+
+def with_off_policy_correction(algorithm: dict[str, Any], cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
+    """The algorithm section's losses checked against the run's off-policy correction, and decoupled
+    in bypass mode. Raises ``ValueError`` naming the setting and the loss."""
+    settings = off_policy_settings(cfg, skyrl_cfg, algorithm["bypass_mode"])
+    named = algorithm["extra"]["loss_fn"]
+    policy_loss = algorithm["policy_loss"]
+    who = (
+        f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r}"
+        if named
+        else f"rllm.algorithm.loss_fn=null (adv_estimator={algorithm['estimator']}: {policy_loss.loss_fn!r})"
+    )
+    return {
+        **algorithm,
+        "off_policy": settings,
+        "policy_loss": settings.loss(policy_loss, who),
+        "role_losses": {
+            role: settings.loss(loss, f"the loss of trajectory role {role!r} ({loss.loss_fn!r})")
+            for role, loss in algorithm["role_losses"].items()
+        },
+    }

@@ -74,6 +74,7 @@ class Pair:
 
 
 _POLICY, _CRITIC = "trainer.policy.", "trainer.critic."
+_CORRECTION = "trainer.algorithm.off_policy_correction."
 _BETAS = ("training.beta1", "training.beta2")
 
 BRIDGE: tuple[Pair, ...] = (
@@ -99,6 +100,10 @@ BRIDGE: tuple[Pair, ...] = (
     Pair("rllm.algorithm.lr_schedule", _CRITIC + "optimizer_config.scheduler", _scheduler),
     Pair("rllm.algorithm.warmup_steps", _POLICY + "optimizer_config.num_warmup_steps"),
     Pair("rllm.algorithm.warmup_steps", _CRITIC + "optimizer_config.num_warmup_steps"),
+    # rLLM's one cap bounds the weight at either level, as verl's rollout_is_threshold does.
+    Pair("rllm.algorithm.rollout_correction.tis_mode", _CORRECTION + "tis_ratio_type"),
+    Pair("rllm.algorithm.rollout_correction.tis_cap", _CORRECTION + "token_tis_ratio_clip_high"),
+    Pair("rllm.algorithm.rollout_correction.tis_cap", _CORRECTION + "sequence_tis_ratio_clip_high"),
     # --- the backend's own keys (tinker's names) ---------------------------------------------------
     Pair("model.path", _POLICY + "model.path"),
     Pair("model.critic_path", _CRITIC + "model.path"),

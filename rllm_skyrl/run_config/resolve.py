@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import bridge
-from rllm_skyrl.run_config.algorithm import resolve_algorithm
+from rllm_skyrl.run_config.algorithm import resolve_algorithm, with_off_policy_correction
 from rllm_skyrl.run_config.aliases import with_aliases
 from rllm_skyrl.run_config.lora import LoraSettings, resolve_lora
 from rllm_skyrl.run_config.model_paths import check_model_path, resolve_model_path
@@ -53,6 +53,8 @@ def resolve_run_config(
     overrides, model_path, lora = _skyrl_keys(cfg, platform, resolve_models)
     skyrl_cfg = _skyrl_config(overrides, platform)
     async_training, async_chunks = _async_training(cfg, skyrl_cfg)
+    with _config_errors():
+        algorithm = with_off_policy_correction(algorithm, cfg, skyrl_cfg)
     roles = roles_for(skyrl_cfg)
     # On-policy, rollouts and the trainer take turns on the machine's cores; fully-async they overlap.
     cores = max(1, (os.cpu_count() or 1) // (2 if async_training else 1))

@@ -18,7 +18,7 @@ from typing import Any
 from rllm_skyrl import losses
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.run_config.algorithm import default_policy_loss
+from rllm_skyrl.run_config.algorithm import OffPolicySettings, default_policy_loss
 from rllm_skyrl.run_config.lora import LoraSettings
 
 
@@ -75,7 +75,7 @@ class RunConfig:
     critic_loss: losses.ResolvedLoss
     role_losses: Mapping[str, losses.ResolvedLoss]
     loss_reduction: str
-    bypass_mode: bool
+    bypass_mode: bool  # the loss's old log-probs are the sampler's (no forward pass before the update)
     drop_malformed: bool
     rollout_n: int
     rollout_n_val: int
@@ -87,6 +87,7 @@ class RunConfig:
     checkpoint: CheckpointSettings
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
+    off_policy: OffPolicySettings = field(default_factory=OffPolicySettings)
     async_training: bool = False
     async_chunks: int = 1  # fully-async: forward-backward calls that make up one optimizer step
     cpu_threads: int = 1  # torch threads of each training worker on CPU
@@ -103,7 +104,8 @@ class RunConfig:
 
         rLLM users set them in code (``traj_group_adv_estimator_map`` values ``estimator`` or
         ``(estimator, loss_fn)``); the loss of a role is its ``loss_fn_map`` entry, else
-        ``rllm.algorithm.loss_fn``, else the default for the role's estimator.
+        ``rllm.algorithm.loss_fn``, else the default for the role's estimator. Each is checked
+        against the run's off-policy correction as the configured losses are.
         """
         estimator_map = {
             role: getattr(value, "value", value)
@@ -117,9 +119,15 @@ class RunConfig:
                 loss_fn_map.get(role) or named or default_policy_loss(estimator_map.get(role, self.estimator))
             )
             try:
-                role_losses[role] = losses.resolve_loss("policy", name, self.loss_fn_config)
+                resolved = losses.resolve_loss("policy", name, self.loss_fn_config)
             except ValueError as error:
                 raise ConfigError(f"loss for trajectory role {role!r} ({name!r}): {error}") from error
+            try:
+                role_losses[role] = self.off_policy.loss(
+                    resolved, f"the loss of trajectory role {role!r} ({name!r})"
+                )
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
         return dataclasses.replace(
             self, estimator_map={**self.estimator_map, **estimator_map}, role_losses=role_losses
         )

@@ -78,6 +78,17 @@ def _sampling(prefix: str) -> list[Rule]:
     ]
 
 
+_USE_RLLM = "null or true (deprecated in rLLM: advantages are always rLLM's own estimators)"
+_ROUTER_REPLAY = (
+    "'disabled' (R2 and R3 replay MoE expert routing in the trainer's forward, which SkyRL does only "
+    "in its Megatron workers; this backend trains with FSDP)"
+)
+_TIS_MODE = "null (off), token or sequence (SkyRL's off_policy_correction.tis_ratio_type)"
+_STEPWISE = (
+    "'broadcast' (one advantage per trajectory, broadcast to its steps: rLLM's unified trainer "
+    "deprecates per_step)"
+)
+
 RULES: tuple[Rule, ...] = (
     Rule("training.group_size", at_least(1), "an integer >= 1"),
     Rule("validation.group_size", at_least(1), "an integer >= 1"),
@@ -137,6 +148,14 @@ RULES: tuple[Rule, ...] = (
     Rule("rllm.algorithm.eps_clip_high", positive, "a number > 0", nullable=True),
     Rule("rllm.algorithm.warmup_steps", _int, "an integer (<= 0: use warmup_steps_ratio)"),
     Rule("rllm.algorithm.warmup_steps_ratio", unit_interval, "a number in [0, 1]"),
+    Rule("rllm.algorithm.use_rllm", lambda v: v is True, _USE_RLLM, nullable=True),
+    Rule("rllm.algorithm.router_replay", one_of("disabled"), _ROUTER_REPLAY),
+    Rule("rllm.algorithm.rollout_correction.tis_mode", one_of("token", "sequence"), _TIS_MODE, nullable=True),
+    Rule("rllm.algorithm.rollout_correction.tis_cap", positive, "a number > 0 (the cap on the TIS weight)"),
+    Rule(
+        "rllm.algorithm.rollout_correction.bypass_mode", boolean, "true, false or null (true)", nullable=True
+    ),
+    Rule("rllm.stepwise_advantage.mode", one_of("broadcast"), _STEPWISE),
     Rule("rllm.async_training.mini_batch_size", at_least(1), "an integer >= 1"),
     Rule("rllm.async_training.fwd_bwd_group_size", at_least(1), "an integer >= 1", nullable=True),
     Rule("rllm.async_training.staleness_threshold", non_negative, "a number >= 0"),

@@ -38,6 +38,7 @@ class AlgorithmConfig:
 
     estimator: str = "grpo"
     estimator_map: dict[str, str] = field(default_factory=dict)
+    loss_fn_map: dict[str, str] = field(default_factory=dict)  # from [estimator, loss_fn] map values
     stepwise_advantage_mode: str = "broadcast"
     norm_adv_by_std_in_grpo: bool = True
     use_precomputed_advantage: bool = False
@@ -57,9 +58,12 @@ class AlgorithmConfig:
     ) -> AlgorithmConfig:
         raw = _section(algorithm)
         defaults = cls()
+        # [estimator, loss_fn] values split as rLLM's AlgorithmConfig splits (estimator, loss_fn) tuples.
+        by_role = raw.get("estimator_map") or {}
         return cls(
             estimator=raw.get("adv_estimator", defaults.estimator),
-            estimator_map=dict(raw.get("estimator_map") or {}),
+            estimator_map={role: v[0] if isinstance(v, list) else v for role, v in by_role.items()},
+            loss_fn_map={role: v[1] for role, v in by_role.items() if isinstance(v, list)},
             stepwise_advantage_mode=stepwise_advantage_mode,
             norm_adv_by_std_in_grpo=raw.get("norm_adv_by_std_in_grpo", defaults.norm_adv_by_std_in_grpo),
             use_precomputed_advantage=raw.get(

@@ -94,9 +94,9 @@ class UnifiedTrainer:
     ) -> None:
         """Datasets are lists of task dicts, DataFrames or parquet paths (see ``load_rows``)."""
         self.config = config if isinstance(config, DictConfig) else OmegaConf.create(config)
-        self._check_supported_modes()
         self.backend = backend_cls(config=self.config, **(backend_args or {}))
-        self.backend.validate_config()
+        self.backend.validate_config()  # the backend's one-line refusals first (they start nothing)
+        self._check_supported_modes()
 
         self.algorithm_config = AlgorithmConfig.from_config(
             self._get("rllm.algorithm"),

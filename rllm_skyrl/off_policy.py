@@ -1,0 +1,129 @@
+"""Off-policy correction through SkyRL's own: which losses apply it, and bypass mode's decoupled losses.
+
+rLLM's ``rllm.algorithm.rollout_correction.tis_mode`` (``token`` | ``sequence``) with ``tis_cap`` is
+SkyRL's ``trainer.algorithm.off_policy_correction`` (``tis_ratio_type`` and its caps, bridged in
+``run_config.bridge``). SkyRL's policy losses apply it themselves
+(``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py``): each token's term (or each
+sequence's, as a product of token ratios) is weighted by ``min(exp(old - rollout), cap)``, detached,
+from the batch's ``rollout_logprobs``. Which "old" log-probs that weighs depends on
+``rollout_correction.bypass_mode``:
+
+- ``false``: the backend recomputes them with a forward pass before the update (as verl does); the
+  weight compares the trainer's policy before the update with the sampler's.
+- ``true``: the batch's old log-probs are the sampler's, so SkyRL's weight would be exactly 1. With
+  one optimizer step per batch (always so in rLLM's fully-async mode), the trainer's own log-probs
+  in the forward-backward, detached, *are* the policy before the update. A decoupled loss here
+  (``DecoupledLoss``, registered in SkyRL's ``PolicyLossRegistry`` as SkyRL documents for custom
+  losses) calls SkyRL's registered loss with those as the old log-probs: its ratio
+  ``exp(logp - sg(logp))`` is 1 with the gradient of ``logp`` (the policy gradient at the current
+  policy) and the weight is ``min(exp(sg(logp) - rollout), cap)``: verl's decoupled PPO with the
+  current policy as the proximal one, without the extra forward pass. With several optimizer steps
+  per batch the trainer's log-probs are no longer the policy before the update, so the run config
+  refuses that combination.
+
+Which of the Tinker losses apply SkyRL's correction (``ppo``, ``gspo``, ``cispo`` with its default
+``old`` anchor) and why the others cannot take it is ``uncorrected_reason``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from rllm_skyrl.losses import ResolvedLoss
+
+_DECOUPLED = "rllm_skyrl_decoupled:"
+
+# Tinker losses whose SkyRL loss never applies off-policy correction, or whose ratio already is one.
+_UNCORRECTED = {
+    "cross_entropy": "SkyRL's cross_entropy is supervised: no ratio, no advantages, no off-policy correction",
+    "importance_sampling": (
+        "SkyRL's importance_sampling applies no off-policy correction (its own ratio is the uncapped pi/old)"
+    ),
+    "dppo": (
+        "dppo takes its ratio and its mask against the rollout log-probs already (the sampler is "
+        "its behaviour policy), so TIS would weigh the same gap twice"
+    ),
+}
+_ROLLOUT_ANCHORED_CISPO = (
+    "cispo with cispo_anchor='rollout' takes its ratio against the rollout log-probs already, so "
+    "TIS would weigh the same gap twice (SkyRL's cispo refuses the pair)"
+)
+
+
+def uncorrected_reason(loss: ResolvedLoss, default_cispo_anchor: str = "old") -> str | None:
+    """Why SkyRL's off-policy correction cannot apply to ``loss``; None when it does.
+
+    ``default_cispo_anchor`` is the run's ``trainer.algorithm.cispo.cispo_anchor``, which a
+    ``cispo_anchor`` in the loss's own config overrides.
+    """
+    if loss.loss_fn == "cispo":
+        anchor = loss.skyrl_config.get("cispo", {}).get("cispo_anchor", default_cispo_anchor)
+        return _ROLLOUT_ANCHORED_CISPO if anchor == "rollout" else None
+    return _UNCORRECTED.get(loss.loss_fn)
+
+
+def decoupled(loss: ResolvedLoss) -> ResolvedLoss:
+    """``loss`` computed by its decoupled variant (same SkyRL config: ``policy_loss_type`` stays the
+    base loss, which SkyRL's ppo loss asserts)."""
+    return ResolvedLoss(
+        role=loss.role,
+        loss_fn=loss.loss_fn,
+        skyrl_loss_name=_DECOUPLED + str(loss.skyrl_loss_name),
+        skyrl_config=loss.skyrl_config,
+        uses_advantages=loss.uses_advantages,
+    )
+
+
+def is_decoupled(skyrl_loss_name: str | None) -> bool:
+    return bool(skyrl_loss_name) and skyrl_loss_name.startswith(_DECOUPLED)
+
+
+@functools.cache
+def _registered(name: str) -> Any:
+    """SkyRL's loss ``name``, looked up once per process (a lookup syncs with Ray's store)."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    return PolicyLossRegistry.get(name)
+
+
+class DecoupledLoss:
+    """SkyRL's registered loss ``base``, with the trainer's own log-probs, detached, as the old ones.
+
+    Called by SkyRL's policy worker exactly as a registered loss is
+    (``workers/worker.py``, ``_forward_backward_micro``).
+    """
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def __call__(
+        self,
+        log_probs: Any,
+        old_log_probs: Any,
+        advantages: Any,
+        config: Any,
+        loss_mask: Any = None,
+        rollout_logprobs: Any = None,
+    ) -> tuple[Any, dict[str, float]]:
+        del old_log_probs  # the sampler's in bypass mode; before this batch's step, the trainer's are π_old
+        return _registered(self.base)(
+            log_probs,
+            log_probs.detach(),
+            advantages,
+            config=config,
+            loss_mask=loss_mask,
+            rollout_logprobs=rollout_logprobs,
+        )
+
+
+def register(skyrl_loss_names: Iterable[str]) -> None:
+    """Register the decoupled losses among ``skyrl_loss_names`` (once per Ray session); with Ray up,
+    SkyRL's registry hands them to every worker that looks one up."""
+    from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+
+    available = set(PolicyLossRegistry.list_available())
+    for name in skyrl_loss_names:
+        if is_decoupled(name) and name not in available:
+            PolicyLossRegistry.register(name, DecoupledLoss(name.removeprefix(_DECOUPLED)))
