@@ -92,9 +92,6 @@ class ConsoleLogger:
         if self.console:
             tqdm.write(console_line(step, self.total_steps, data))
 
-    def finish(self) -> None:
-        pass
-
 
 class UnifiedTrainer:
     """Runs workflows through a backend, on-policy: generate, transform, process, advantages, update."""
