@@ -1,6 +1,6 @@
 """``SkyRLBackend``: rLLM's ``BackendProtocol`` on SkyRL's trainers, workers and inference protocol.
 
-The trainer owns the loop; this class fills in its stages (see ``standalone/protocol.py`` for the
+The trainer owns the loop; this class fills in its stages (``standalone/driver.py`` lists their
 order). One training step reads as the algorithm:
 
     generate_episodes          workflows sample from the inference servers
@@ -46,7 +46,7 @@ class SkyRLBackend:
     """Trains with SkyRL's FSDP workers; serves rollouts through SkyRL's inference protocol.
 
     Reads only attributes that rLLM's own episode/trajectory/step objects have, so it runs under
-    rLLM's ``UnifiedTrainer`` as well as under ``rllm_skyrl.standalone.UnifiedTrainer``.
+    rLLM's ``UnifiedTrainer`` as well as under the fallback, ``rllm_skyrl.standalone.UnifiedTrainer``.
     """
 
     name = "skyrl"
@@ -262,9 +262,8 @@ class SkyRLBackend:
         """Weight sync after an update (on-policy mode), a checkpoint every ``save_freq`` steps, and
         the step's metrics (tinker's ``progress/*`` and ``time/*`` among them).
 
-        This hook also runs while a failed step's exception propagates (the standalone trainer
-        calls it from ``finally``); then nothing is published or saved: the run stops, and a
-        resume continues from the last complete checkpoint.
+        Should it run while a failed step's exception propagates, nothing is published or saved:
+        the run stops, and a resume continues from the last complete checkpoint.
         """
         step = trainer_state.global_step
         if not self._failing():

@@ -1,14 +1,13 @@
-"""The run entry: train with the SkyRL backend, print a summary; ``rllm-skyrl plan`` for clusters.
+"""What a Hydra entry point wraps its work in, and ``rllm-skyrl plan`` for clusters.
 
-Bring-up and shutdown of Ray, workers and servers belong to ``runtime``; what is resolved from the
-config belongs to ``run_config``. This module only wires a Hydra app to the trainer.
+A run itself is ``training_run.train``; bring-up and shutdown of Ray, workers and servers belong to
+``runtime``; what is resolved from the config belongs to ``run_config``.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
-import importlib
 import logging
 import os
 import signal
@@ -24,13 +23,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "clean_stop",
-    "finish_run",
     "main",
     "one_line_errors",
     "plan",
-    "print_summary",
     "quiet_libraries",
-    "run",
 ]
 
 
@@ -98,106 +94,6 @@ def quiet_libraries(level: str | None = None) -> None:
 
     loguru_logger.remove()
     loguru_logger.add(sys.stderr, level=level)
-
-
-def _import(path: str | type) -> type:
-    if not isinstance(path, str):
-        return path
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def run(
-    cfg,
-    workflow_class: str | type,
-    workflow_args: dict | None = None,
-    train_dataset=None,
-    val_dataset=None,
-) -> Path:
-    """Train with ``SkyRLBackend`` under the unified trainer; returns the run directory.
-
-    Uses this package's trainer (rLLM's call order and types); the backend is the same class
-    rLLM's own ``UnifiedTrainer`` takes as ``backend_cls``. On a machine without an NVIDIA driver, Ray starts
-    in its own process first (``compat.local_ray``), beside the imports of the trainer and its backend.
-    """
-    from rllm_skyrl.compat import local_ray
-
-    local = local_ray.launch_for_cpu_run()
-    try:
-        return _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset)
-    finally:
-        if local is not None:  # the runtime stopped it already, unless the run ended before it started
-            local_ray.stop(local)
-
-
-def _run(cfg, workflow_class, workflow_args, train_dataset, val_dataset) -> Path:
-    from rllm_skyrl import compat
-
-    compat.prepare_imports()  # before the backend's imports (see each set)
-    from rllm_skyrl.backend import SkyRLBackend
-    from rllm_skyrl.compat.output_masking import mask_process_output
-    from rllm_skyrl.run_config import with_aliases
-    from rllm_skyrl.run_log import read_metrics
-    from rllm_skyrl.standalone import UnifiedTrainer
-
-    mask_process_output()
-    quiet_libraries()
-    with clean_stop():
-        try:
-            with one_line_errors():
-                trainer = UnifiedTrainer(
-                    backend_cls=SkyRLBackend,
-                    config=with_aliases(cfg),  # the trainer reads rllm.* keys an alias may set
-                    workflow_class=_import(workflow_class),
-                    workflow_args=workflow_args,
-                    train_dataset=train_dataset,
-                    val_dataset=val_dataset,
-                )
-        except BaseException:  # the backend may have started Ray, workers and servers already
-            SkyRLBackend.shutdown_all()
-            raise
-        try:
-            trainer.fit()
-        finally:
-            trainer.shutdown()
-    run_dir = Path(trainer.tracking.run_dir)
-    print_summary(run_dir, read_metrics(run_dir))
-    return run_dir
-
-
-def finish_run(run_dir: str | Path) -> None:
-    """The end of a run under rLLM's trainer: the summary, and ``metrics.png`` from ``metrics.jsonl``."""
-    from rllm_skyrl.plot import plot_run
-    from rllm_skyrl.run_log import read_metrics
-
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    if not records:
-        return
-    try:
-        plot_run(run_dir)
-    except ValueError as error:  # nothing plottable was logged
-        logger.warning("no plot for %s: %s", run_dir, error)
-    print_summary(run_dir, records)
-
-
-def print_summary(run_dir: Path, records: list[dict]) -> None:
-    """A few lines a user can act on: where the run is, and whether reward went up."""
-    train = [r for r in records if "reward/mean" in r]
-    lines = [f"run directory: {run_dir}", f"metrics: {run_dir / 'metrics.jsonl'}"]
-    if train:
-        window = max(1, min(10, len(train) // 4))
-        first = sum(r["reward/mean"] for r in train[:window]) / window
-        last = sum(r["reward/mean"] for r in train[-window:]) / window
-        lines.append(
-            f"steps: {train[-1]['step']}  reward/mean: {first:.3f} (first {window} steps) "
-            f"-> {last:.3f} (last {window})"
-        )
-    validation = {
-        k: v for k, v in (records[-1] if records else {}).items() if k.startswith("val/") and "pass@" in k
-    }
-    lines += [f"{key}: {value:.3f}" for key, value in sorted(validation.items())]
-    print("\n".join(lines), flush=True)
 
 
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:

@@ -1,4 +1,4 @@
-"""rLLM's records (steps, trajectories, episodes, groups, model outputs) for code that runs without rLLM.
+"""rLLM's records (steps, trajectories, episodes, groups, model outputs, rewards) for code without rLLM.
 
 Field names follow ``rllm.types`` / ``rllm.engine.rollout.ModelOutput`` exactly, so a backend
 written against rLLM's types reads ours unchanged (and the other way round). They are plain
@@ -43,6 +43,22 @@ class TerminationEvent(Exception):
     def __init__(self, reason: str):
         super().__init__(f"Terminated: {reason}")
         self.reason = reason
+
+
+@dataclass
+class Action:
+    """What the model did in a step, as rLLM's workflows hand it to a reward function (``.action``)."""
+
+    action: Any = None
+
+
+@dataclass
+class RewardOutput:
+    """A reward function's result (``rllm.rewards.reward_types.RewardOutput``)."""
+
+    reward: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    is_correct: bool | None = None
 
 
 @dataclass

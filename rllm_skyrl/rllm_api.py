@@ -3,8 +3,9 @@
 rLLM is optional (it is not on PyPI). Where an rLLM user must get exactly what rLLM's other backends
 give them (its ``ModelOutput`` and ``TerminationEvent`` classes, its chat-template parser, its
 advantage estimators and registry, its task ids), this module imports rLLM's; without rLLM the
-``rllm_skyrl.records`` stand-ins and the standalone trainer's own implementations stand in. Nothing
-else in the package imports ``rllm``.
+``rllm_skyrl.records`` stand-ins and the standalone trainer's own implementations stand in. Besides
+it, only ``rllm_names`` (what training code names) and ``rllm_plugin`` (rLLM's ``AgentTrainer``)
+import ``rllm``.
 """
 
 from __future__ import annotations

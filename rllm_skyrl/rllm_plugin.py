@@ -5,8 +5,8 @@ Three ways in, from the most explicit to the most convenient:
 1. ``rllm.trainer.unified_trainer.UnifiedTrainer(backend_cls=SkyRLBackend, config=cfg, ...)``:
    ``SkyRLBackend`` implements rLLM's backend hooks; nothing from this module is needed.
 2. ``SkyRLTrainerLauncher(cfg, workflow_class=..., ...).train()``: what rLLM's per-backend launchers
-   do (build the trainer, fit, always shut down), with the keys of rLLM's other backends applied to
-   a copy of the config (``run_config.with_aliases``).
+   do (build the trainer, fit, always shut down), through the run every entry point gets
+   (``training_run.train``).
 3. ``register()``, then rLLM's ``AgentTrainer(config=cfg, workflow_class=..., backend="skyrl").train()``.
    rLLM's ``AgentTrainer`` picks its launcher with an if/elif over backend names and has no table
    to add to, so ``register()`` wraps its constructor: ``backend="skyrl"`` builds a
@@ -89,52 +89,24 @@ class SkyRLTrainerLauncher:
         self.kwargs = {name: value for name, value in kwargs.items() if name not in _GATEWAY_ARGUMENTS}
 
     def train(self) -> None:
-        """Build rLLM's trainer, fit, and shut it down (servers, workers, Ray) even when fit fails.
-
-        Every record rLLM's logger writes also goes to ``<rllm.trainer.run_dir>/metrics.jsonl``; at
-        the end the run's summary is printed and ``metrics.png`` drawn, as with the standalone trainer.
-        """
+        """Train under rLLM's ``UnifiedTrainer`` through ``training_run.train``: the run every entry
+        gets (secrets masked, ``metrics.jsonl``, progress bar, ``metrics.png``, summary, clean stop),
+        with Ray, workers and servers shut down however it ends."""
         unified = require("rllm", _TRAINER_MODULE)
-        from rllm_skyrl.compat.output_masking import mask_process_output
-        from rllm_skyrl.launcher import clean_stop, finish_run, one_line_errors, quiet_libraries
-        from rllm_skyrl.run_config import with_aliases
-        from rllm_skyrl.run_log import mirror_logger
+        from rllm_skyrl.training_run import train
 
-        mask_process_output(OmegaConf.to_container(self.config, resolve=False))
-        quiet_libraries()
-
-        backend_cls = self.backend_cls
-        if backend_cls is None:
-            from rllm_skyrl.backend import SkyRLBackend
-
-            backend_cls = SkyRLBackend
-        with clean_stop():
-            trainer = None
-            try:
-                with one_line_errors():
-                    config = with_aliases(self.config)  # the trainer reads rllm.* keys an alias may set
-                    trainer = unified.UnifiedTrainer(
-                        backend_cls=backend_cls,
-                        config=config,
-                        workflow_class=self.workflow_class,
-                        train_dataset=self.train_dataset,
-                        val_dataset=self.val_dataset,
-                        workflow_args=self.workflow_args,
-                        backend_args=self.backend_args,
-                        store=self.store,
-                        **self.kwargs,
-                    )
-                run_dir = OmegaConf.select(config, "rllm.trainer.run_dir") or "logs/rllm-skyrl"
-                mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
-                trainer.fit()
-            finally:
-                if trainer is not None:
-                    trainer.shutdown()
-                else:  # the trainer failed to build after the backend had started its runtime
-                    from rllm_skyrl.backend import SkyRLBackend
-
-                    SkyRLBackend.shutdown_all()
-            finish_run(run_dir)
+        train(
+            self.config,
+            self.workflow_class,
+            self.workflow_args,
+            self.train_dataset,
+            self.val_dataset,
+            trainer_cls=unified.UnifiedTrainer,
+            backend_cls=self.backend_cls,
+            backend_args=self.backend_args,
+            store=self.store,
+            **self.kwargs,
+        )
 
 
 def _selected_backend(argument: str | None, config: Any) -> str | None:

@@ -1,8 +1,8 @@
 """A run's ``metrics.jsonl``: one JSON object per logged step, whichever trainer drives the run.
 
 ``{"step": 3, "reward/mean": 0.4, ...}`` per line, appended as steps finish, so the file is
-readable (and plottable) while the run goes on or after it died. Both trainers write it: the
-standalone one through its tracker, rLLM's through the logger the launcher attaches.
+readable (and plottable) while the run goes on or after it died. Both trainers write it, through
+their logger, which ``training_run`` attaches to.
 """
 
 from __future__ import annotations

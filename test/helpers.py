@@ -192,6 +192,15 @@ def compose_three_ways(settings: dict[str, Any], tmp_path: Path) -> dict[str, An
     return {"command line": command_line, "yaml file": yaml_file, "dict": merged}
 
 
+def compose_run(*overrides: str, model: str = "tiny"):
+    """What a training script composes (``apps/run.yaml``): the config ``training_run.train`` runs
+    under rLLM's trainer where rLLM is installed, under the fallback where not."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "test" / "apps"), version_base=None):
+        return compose("run", overrides=[f"model.path={model}", *overrides])
+
+
 def compose_example(example: str, *overrides: str):
     """``examples/<example>/config.yaml`` with ``overrides``."""
     from hydra import compose, initialize_config_dir

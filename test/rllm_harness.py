@@ -16,7 +16,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
-from examples.simple_math.task import make_rows, reward_fn
+from examples.simple_math.task import digit_reward, make_rows  # noqa: F401 (the tests take it from here)
 from rllm_skyrl.backend import SkyRLBackend
 
 RLLM_MISSING = "rLLM is not installed (scripts/test.sh installs the vendored snapshot)"
@@ -47,14 +47,6 @@ def rllm_config(tmp_path: Path, *overrides: str) -> DictConfig:
                 *overrides,
             ],
         )
-
-
-def digit_reward(task: dict, action: Any):
-    """The digit task's reward as an rLLM ``RewardFunction``."""
-    from rllm.rewards.reward_types import RewardOutput
-
-    reward = reward_fn(task, getattr(action, "action", action) or "")
-    return RewardOutput(reward=reward, is_correct=reward > 0)
 
 
 def digit_rows(count: int, seed: int = 0) -> list[dict]:
@@ -166,8 +158,8 @@ for _name in (
 def run_rllm(
     cfg: DictConfig, workflow_class: type, workflow_args: dict, train: Any, val: Any = None, **kwargs: Any
 ):
-    """Train under rLLM's UnifiedTrainer through this package's launcher (which also writes
-    metrics.jsonl, the plot and the summary); returns the recording backend of the run."""
+    """Train under rLLM's UnifiedTrainer through this package's launcher class (the run every entry
+    gets: metrics.jsonl, the plot and the summary); returns the recording backend of the run."""
     from rllm_skyrl.rllm_plugin import SkyRLTrainerLauncher
 
     RecordingBackend.instances.clear()

@@ -10,16 +10,15 @@ import statistics
 
 import pytest
 import torch
-from helpers import compose_example, compose_unified, run_dirs
+from helpers import compose_example, compose_run, compose_unified, run_dirs
 from omegaconf import OmegaConf
 
-from examples.simple_math.task import make_rows, reward_fn
-from rllm_skyrl import launcher
+from examples.simple_math.task import digit_reward, make_rows, reward_fn
 from rllm_skyrl.backend import SkyRLBackend
-from rllm_skyrl.records import Episode, Step, Trajectory
+from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
 from rllm_skyrl.run_config import with_aliases
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone.workflow import SingleTurnWorkflow, Workflow, task_messages
+from rllm_skyrl.training_run import train
 from rllm_skyrl.workers import SkyRLWorkers
 
 
@@ -126,7 +125,7 @@ class TwoTurnTokenWorkflow(Workflow):
 
     async def run(self, task, uid, **kwargs):
         engine = self.rollout_engine
-        first = await engine.get_model_response(task_messages(task))
+        first = await engine.get_model_response([{"role": "user", "content": task["question"]}])
         feedback = engine.tokenizer(
             "<|im_end|>\n<|im_start|>user\ntry once more<|im_end|>\n<|im_start|>assistant\n"
         )
@@ -142,8 +141,8 @@ class TwoTurnTokenWorkflow(Workflow):
 @pytest.mark.usefixtures("ray_cluster")
 def test_two_turn_masks_reach_skyrl(tmp_path, recorded_batches, recorded_groups):
     """Turn 2's prompt extends turn 1: one row per trajectory, loss only on the model's tokens."""
-    cfg = unified_config(
-        tmp_path,
+    cfg = compose_run(
+        *run_dirs(tmp_path),
         "rllm.data.train_batch_size=2",
         "training.group_size=2",
         "rllm.data.max_response_length=3",
@@ -152,7 +151,7 @@ def test_two_turn_masks_reach_skyrl(tmp_path, recorded_batches, recorded_groups)
         "rllm.trainer.test_freq=0",
         "rllm.trainer.save_freq=0",
     )
-    launcher.run(
+    train(
         cfg,
         workflow_class=TwoTurnTokenWorkflow,
         workflow_args={},
@@ -191,10 +190,10 @@ def test_two_turn_masks_reach_skyrl(tmp_path, recorded_batches, recorded_groups)
 def test_grpo_learns_the_digit_task(tmp_path):
     """Reward climbs from chance (<= 0.3) to >= 0.8 through the whole stack on CPU."""
     cfg = example_config(tmp_path, "rllm.trainer.total_batches=180", "rllm.trainer.test_freq=0")
-    run_dir = launcher.run(
+    run_dir = train(
         cfg,
-        workflow_class=SingleTurnWorkflow,
-        workflow_args={"reward_fn": reward_fn},
+        workflow_class="examples.simple_math.workflow.AskOnceWorkflow",
+        workflow_args={"reward_function": digit_reward},
         train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
     )
     rewards = [r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r]

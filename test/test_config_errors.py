@@ -1,6 +1,6 @@
 """A wrong setting is one line naming the key, the value and what is allowed, before anything starts.
 
-Through every entry point a user has: ``train.sh`` (the standalone trainer's Hydra app), the rLLM
+Through every entry point a user has: ``train.sh`` (the quickstart's Hydra app), the rLLM
 entry (rLLM's config, ``AgentTrainer(backend="skyrl")``), and ``rllm-skyrl plan``. Each value below
 is refused with exit code 2, no traceback, and no Ray started.
 """

@@ -1,7 +1,9 @@
-"""Every example runs from its entry point on CPU with the tiny model (a few steps each)."""
+"""Every example runs from its entry point on CPU with the tiny model (a few steps each), under
+rLLM's trainer where rLLM is installed, and the quickstart also as on a machine without rLLM."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,9 +11,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# A module run as on a machine without rLLM: ``import rllm`` fails and ``find_spec("rllm")`` is None.
+WITHOUT_RLLM = """
+import runpy, sys
+sys.modules["rllm"] = None
+module, sys.argv[1:] = sys.argv[1], sys.argv[2:]
+runpy.run_module(module, run_name="__main__", alter_sys=True)
+"""
 
 
-def run_example(args: list[str], run_dir: Path, timeout: float = 420) -> list[dict]:
+def run_example(args: list[str], run_dir: Path, timeout: float = 420) -> tuple[list[dict], str]:
+    """The run's records, and what it printed on the console (stdout, then stderr)."""
     env = {**os.environ, "RLLM_SKYRL_CACHE": os.environ["RLLM_SKYRL_CACHE"], "WANDB_MODE": "offline"}
     result = subprocess.run(
         [*args, f"hydra.run.dir={run_dir}"],
@@ -23,25 +33,55 @@ def run_example(args: list[str], run_dir: Path, timeout: float = 420) -> list[di
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"run directory: {run_dir}" in result.stdout
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, result.stdout + result.stderr
 
 
-def test_simple_math_script(tmp_path):
-    """The README's train command, shortened: progress, summary, metrics.jsonl with step and reward."""
-    records = run_example(
-        ["bash", "examples/simple_math/train.sh", "rllm.trainer.total_batches=3", "rllm.trainer.test_freq=3"],
-        tmp_path / "run",
-    )
+def check_quickstart(records: list[dict], console: str) -> None:
+    """Progress, summary, metrics.jsonl with step and reward; the trainer's own output off the console."""
     train = [r for r in records if "progress/batch" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all("reward/mean" in r and "time/step" in r for r in train)
     # rLLM's schedule: no periodic validation at the step that ends training, one after the loop.
     assert records[-1]["step"] == 3 and "val/digit_echo/pass@1" in records[-1]
     assert "val/digit_echo/pass@4" in records[-1]
+    assert "training: 100%" in console and "reward=" in console and "reward/mean:" in console
+    assert "┃" not in console and "Generating trajectories" not in console  # rLLM's tables and bars
+
+
+def test_simple_math_script(tmp_path):
+    """The README's train command, shortened, under rLLM's trainer where rLLM is installed."""
+    records, console = run_example(
+        ["bash", "examples/simple_math/train.sh", "rllm.trainer.total_batches=3", "rllm.trainer.test_freq=3"],
+        tmp_path / "run",
+    )
+    check_quickstart(records, console)
+    rllm_trained = "groups/num_trajs_before_filter" in records[1]  # a metric only rLLM's trainer logs
+    assert rllm_trained == (importlib.util.find_spec("rllm") is not None)
+    if rllm_trained:  # its per-step tables went to the run directory
+        assert "Training Config" in (tmp_path / "run" / "trainer_output.log").read_text()
+
+
+def test_simple_math_runs_on_the_fallback_without_rllm(tmp_path):
+    """The same example code, as on a machine where rLLM is not installed: the standalone trainer."""
+    records, console = run_example(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_RLLM,
+            "examples.simple_math.train",
+            "rllm.trainer.total_batches=3",
+            "rllm.trainer.test_freq=3",
+        ],
+        tmp_path / "run",
+    )
+    check_quickstart(records, console)
+    assert "groups/num_trajs" in records[1] and "groups/num_trajs_before_filter" not in records[1]
+    assert "is not available" not in console  # rLLM's config source, expected to be missing
 
 
 def test_solver_judge_trains_both_roles(tmp_path):
-    records = run_example(
+    records, _ = run_example(
         [
             sys.executable,
             "-m",

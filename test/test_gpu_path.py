@@ -355,7 +355,9 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     monkeypatch.setattr(runtime_module.weight_sync, "prepare", lambda *a: events.append("weight sync"))
     monkeypatch.setattr(runtime_module, "stop_ray", lambda: events.append("ray stopped"))
     monkeypatch.setattr(runtime_module.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(runtime_module, "remove_placement_group", lambda raw: events.append(("pg removed", raw)))
+    monkeypatch.setattr(
+        runtime_module, "remove_placement_group", lambda raw: events.append(("pg removed", raw))
+    )
     run = stand_in_run(
         platform,
         colocated,

@@ -239,7 +239,7 @@ def test_no_ray_is_launched_where_a_gpu_driver_a_cluster_or_another_ray_version_
 def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
     """A run inside a process whose Ray was launched by someone else (a notebook's, a test suite's
     shared one) leaves that Ray up when it ends; the one it launched itself goes."""
-    from rllm_skyrl import launcher
+    from rllm_skyrl import training_run
 
     class Launched:
         def __init__(self):
@@ -252,12 +252,12 @@ def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
     theirs, ours = Launched(), Launched()
     monkeypatch.setattr(local_ray, "_launched", theirs)
     monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: None)  # Ray is up: nothing launched
-    monkeypatch.setattr(launcher, "_run", lambda *args: "run dir")
-    assert launcher.run(None, "Workflow") == "run dir"
+    monkeypatch.setattr(training_run, "_train", lambda *args: "run dir")
+    assert training_run.train(None, "Workflow") == "run dir"
     assert not theirs.stopped
 
     monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: ours)
-    launcher.run(None, "Workflow")
+    training_run.train(None, "Workflow")
     assert ours.stopped and not theirs.stopped
     assert local_ray.launched() is theirs
     for launched in (theirs, ours):

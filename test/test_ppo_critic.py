@@ -7,10 +7,9 @@ import statistics
 import pytest
 from helpers import compose_example, run_dirs
 
-from examples.simple_math.task import make_rows, reward_fn
-from rllm_skyrl import launcher
+from examples.simple_math.task import digit_reward, make_rows
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
+from rllm_skyrl.training_run import train
 
 STEPS = 220
 
@@ -30,10 +29,10 @@ def test_ppo_with_critic_learns_and_the_critic_fits(tmp_path):
         "rllm.algorithm.adv_estimator=gae",
         "training.critic_learning_rate=1e-3",
     )
-    run_dir = launcher.run(
+    run_dir = train(
         cfg,
-        workflow_class=SingleTurnWorkflow,
-        workflow_args={"reward_fn": reward_fn},
+        workflow_class="examples.simple_math.workflow.AskOnceWorkflow",
+        workflow_args={"reward_function": digit_reward},
         train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
     )
     records = [r for r in read_metrics(run_dir) if "reward/mean" in r]

@@ -11,11 +11,10 @@ import pytest
 import torch
 from helpers import compose_example, hf_logprobs, run_dirs
 
-from examples.sft.task import make_rows, reward_fn
+from examples.sft.task import digit_reward, make_rows
 from examples.sft.train import encode, train_sft
-from rllm_skyrl import launcher
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone.workflow import SingleTurnWorkflow
+from rllm_skyrl.training_run import train
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -82,10 +81,10 @@ def test_sft_then_grpo_beats_grpo_from_scratch(tmp_path):
     rewards = {}
     for name, model_path in (("scratch", "tiny"), ("sft", str(sft.export_dir))):
         cfg = rl_config(tmp_path / name, f"model.path={model_path}")
-        run_dir = launcher.run(
+        run_dir = train(
             cfg,
-            workflow_class=SingleTurnWorkflow,
-            workflow_args={"reward_fn": reward_fn},
+            workflow_class="examples.simple_math.workflow.AskOnceWorkflow",
+            workflow_args={"reward_function": digit_reward},
             train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
         )
         rewards[name] = [r["reward/mean"] for r in read_metrics(run_dir) if "reward/mean" in r]

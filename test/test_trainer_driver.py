@@ -1,41 +1,38 @@
-"""The driver loop, workflows, grouping and dataloader, against a recording backend.
+"""The fallback trainer's loop, workflows, grouping and dataloader, against a recording backend.
 
 The rollout engine here is a deterministic in-process stand-in: these tests are about the
-loop's contract (call order, grouping, failure handling, resume), not about a model.
+loop's contract (rLLM's call order, grouping, failure handling, resume), not about a model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import math
 from typing import Any
 
-import pandas as pd
 import pytest
-from helpers import run_python
 from omegaconf import OmegaConf
 
-from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone import (
-    BackendProtocol,
-    CompactFilteringConfig,
+from rllm_skyrl import rllm_api
+from rllm_skyrl.records import (
     Episode,
     ModelOutput,
-    MultiTurnWorkflow,
-    RolloutEngine,
-    SingleTurnWorkflow,
-    StatefulTaskDataLoader,
+    RewardOutput,
     Step,
     TerminationReason,
     Trajectory,
     TrajectoryGroup,
-    TransformConfig,
+)
+from rllm_skyrl.run_log import mirror_logger, read_metrics
+from rllm_skyrl.standalone import (
+    SimpleWorkflow,
+    StatefulTaskDataLoader,
     UnifiedTrainer,
     Workflow,
     WorkflowEngine,
-    load_rows,
-    repeat_tasks,
 )
+from rllm_skyrl.standalone.driver import console_line
 from rllm_skyrl.standalone.episodes import group_trajectories
 
 # --------------------------------------------------------------------------- fakes
@@ -49,22 +46,18 @@ def _template(messages: list[dict[str, Any]]) -> str:
     return "".join(f"{m['role']}:{m['content']}\n" for m in messages) + "assistant:"
 
 
-class ScriptedEngine(RolloutEngine):
-    """Answers each question from a per-question script, cycling; tokens are character codes.
-
-    The prompt is the whole templated chat and the completion ends with the template's
-    message terminator, so a multi-turn prompt extends the previous prompt + completion.
-    """
+class ScriptedEngine:
+    """Answers each question from a per-question script, cycling; tokens are character codes."""
 
     def __init__(self, script: dict[str, list[str]] | None = None, finish_reason: str = "stop") -> None:
-        super().__init__()
         self.script = script or {}
         self.finish_reason = finish_reason
         self.calls: dict[str, int] = {}
-        self.in_flight = 0
-        self.max_in_flight = 0
+        self.in_flight = self.max_in_flight = 0
+        self.is_validation = False
+        self.weight_version = 0
 
-    async def _get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
+    async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
         question = messages[0]["content"]
         count = self.calls.get(question, 0)
         self.calls[question] = count + 1
@@ -78,22 +71,25 @@ class ScriptedEngine(RolloutEngine):
         return ModelOutput(
             text=answer,
             content=answer,
+            reasoning="",
             prompt_ids=_tokens(_template(messages)),
             completion_ids=completion,
             logprobs=[-0.5] * len(completion),
             finish_reason=self.finish_reason,
+            weight_version=self.weight_version,
         )
 
 
-def exact_match(task: dict[str, Any], text: str) -> float:
-    return float(text.strip() == str(task["answer"]))
+def exact_match(task: dict[str, Any], action: Any) -> RewardOutput:
+    reward = float(action.action.strip() == str(task["answer"]))
+    return RewardOutput(reward=reward, is_correct=reward > 0)
 
 
-class RecordingBackend(BackendProtocol):
-    """Records every protocol call; optionally fails in update_policy or resumes in on_train_start."""
+class RecordingBackend:
+    """Records every hook call; optionally fails in update_policy or resumes in on_train_start."""
 
     def __init__(self, config, fail_update_at: int | None = None, resume: dict | None = None, **kwargs):
-        super().__init__(config)
+        self.config = config
         self.calls: list[str] = []
         self.init_kwargs: dict[str, Any] = {}
         self.trained_groups: list[list[TrajectoryGroup]] = []
@@ -105,7 +101,7 @@ class RecordingBackend(BackendProtocol):
     def validate_config(self) -> None:
         self.calls.append("validate_config")
 
-    def init_rollout_engine(self, **kwargs: Any) -> RolloutEngine:
+    def init_rollout_engine(self, **kwargs: Any) -> ScriptedEngine:
         self.calls.append("init_rollout_engine")
         self.init_kwargs = kwargs
         self.rollout_engine = ScriptedEngine(self.config.get("script"))
@@ -119,8 +115,11 @@ class RecordingBackend(BackendProtocol):
         if not is_validation:
             self.train_batches.append([task["id"] for task in batch])
         rollout = self.config.rllm.rollout
-        tasks, task_ids = repeat_tasks(batch, rollout.n_val if is_validation else rollout.n)
-        return await agent_workflow_engine.execute_tasks(tasks, task_ids, is_validation=is_validation)
+        tasks, task_ids = rllm_api.task_ids(batch, rollout.n_val if is_validation else rollout.n)
+        episodes = await agent_workflow_engine.execute_tasks(tasks, task_ids, is_validation=is_validation)
+        for episode, task in zip(episodes, tasks, strict=True):  # as SkyRLBackend (and rLLM's verl) do
+            episode.metadata["data_source"] = task["data_source"]
+        return episodes
 
     def transform_to_backend_batch(self, trainer_state, **kwargs):
         self.calls.append("transform_to_backend_batch")
@@ -168,11 +167,10 @@ class RecordingBackend(BackendProtocol):
 
     async def on_validation_start(self, trainer_state):
         self.calls.append("on_validation_start")
-        return await super().on_validation_start(trainer_state)
+        return True
 
     async def on_validation_end(self, trainer_state):
         self.calls.append("on_validation_end")
-        await super().on_validation_end(trainer_state)
 
 
 def make_config(tmp_path, **rllm_overrides: Any):
@@ -185,7 +183,6 @@ def make_config(tmp_path, **rllm_overrides: Any):
                 "test_freq": 0,
                 "val_before_train": False,
                 "logger": [],
-                "run_dir": str(tmp_path / "run"),
             },
             "rollout": {"n": 3, "n_val": 2},
             "workflow": {"n_parallel_tasks": 4},
@@ -198,16 +195,23 @@ def math_rows(n: int, source: str = "toy") -> list[dict[str, Any]]:
     return [{"id": f"t{i}", "question": f"q{i}", "answer": "42", "data_source": source} for i in range(n)]
 
 
-def make_trainer(tmp_path, train=None, val=None, backend_args=None, workflow=SingleTurnWorkflow, **overrides):
-    return UnifiedTrainer(
+def recorded(trainer: UnifiedTrainer, run_dir) -> UnifiedTrainer:
+    """What ``training_run`` attaches to every trainer's logger: ``metrics.jsonl`` in ``run_dir``."""
+    mirror_logger(trainer.logger, run_dir, lambda: None)
+    return trainer
+
+
+def make_trainer(tmp_path, train=None, val=None, backend_args=None, workflow=SimpleWorkflow, **overrides):
+    trainer = UnifiedTrainer(
         backend_cls=RecordingBackend,
         config=make_config(tmp_path, **overrides),
         workflow_class=workflow,
         train_dataset=train,
         val_dataset=val,
-        workflow_args={"reward_fn": exact_match},
+        workflow_args={"reward_function": exact_match},
         backend_args=backend_args,
     )
+    return recorded(trainer, tmp_path / "run")
 
 
 STEP_CALLS = [
@@ -222,7 +226,7 @@ STEP_CALLS = [
 VAL_CALLS = ["on_validation_start", "generate_episodes(val)", "on_validation_end"]
 
 
-# --------------------------------------------------------------------------- driver
+# --------------------------------------------------------------------------- trainer
 
 
 def test_call_order_matches_rllm_on_policy_mode(tmp_path):
@@ -248,7 +252,7 @@ def test_call_order_matches_rllm_on_policy_mode(tmp_path):
         "algorithm_config",
         "total_training_steps",
     }
-    assert kwargs["total_training_steps"] == 2
+    assert kwargs["total_training_steps"] == 2 and kwargs["algorithm_config"] is None  # the run config's
     assert trainer.backend.config is trainer.config  # the FULL config, not a section
 
 
@@ -286,13 +290,13 @@ class SkipValidationBackend(RecordingBackend):
 def test_validation_is_skipped_when_the_backend_declines(tmp_path):
     trainer = UnifiedTrainer(
         backend_cls=SkipValidationBackend,
-        config=make_config(tmp_path, trainer={"test_freq": 1, "logger": "console"}),
-        workflow_class=SingleTurnWorkflow,
+        config=make_config(tmp_path, trainer={"test_freq": 1}),
+        workflow_class=SimpleWorkflow,
         train_dataset=math_rows(2),
         val_dataset=math_rows(2),
-        workflow_args={"reward_fn": exact_match},
+        workflow_args={"reward_function": exact_match},
     )
-    trainer.fit()
+    recorded(trainer, tmp_path / "run").fit()
     trainer.shutdown()
     assert trainer.backend.calls[3:-2] == [
         "on_epoch_start",
@@ -319,7 +323,7 @@ class SolverJudgeWorkflow(Workflow):
         solver_out = await self.rollout_engine.get_model_response(
             [{"role": "user", "content": task["question"]}]
         )
-        solved = exact_match(task, solver_out.content)
+        solved = float(solver_out.content == task["answer"])
         judge_prompt = [{"role": "user", "content": f"judge {task['question']}: {solver_out.content}"}]
         judge_out = await self.rollout_engine.get_model_response(judge_prompt)
         judge_right = float((judge_out.content == "yes") == bool(solved))
@@ -349,7 +353,7 @@ def test_trajectories_are_grouped_by_task_and_role(tmp_path):
         workflow_class=SolverJudgeWorkflow,
         train_dataset=math_rows(2),
     )
-    trainer.fit()
+    recorded(trainer, tmp_path / "run").fit()
     (groups,) = trainer.backend.trained_groups
     assert sorted(g.group_id for g in groups) == ["t0:judge", "t0:solver", "t1:judge", "t1:solver"]
     for group in groups:
@@ -365,18 +369,19 @@ def test_trajectories_are_grouped_by_task_and_role(tmp_path):
     assert record["groups/num_groups"] == 4 and record["train/kl"] == 0.01
 
 
-def test_driver_logs_validation_pass_at_k_per_data_source(tmp_path):
+def test_validation_logs_pass_at_k_per_data_source(tmp_path):
     val = math_rows(2, source="held_out")
     trainer = make_trainer(
         tmp_path, val=val, trainer={"val_before_train": True, "val_only": True}, rollout={"n_val": 2, "n": 1}
     )
     trainer.backend.rollout_engine.script = {"q0": ["42", "0"], "q1": ["0"]}
     trainer.fit()
+    assert trainer.backend.calls[-1] == "on_validation_end"  # val_only: no training, as in rLLM
     (record,) = read_metrics(tmp_path / "run")
     assert record["step"] == 0
     assert record["val/held_out/pass@1"] == pytest.approx(1 / 4)
     assert record["val/held_out/pass@2"] == pytest.approx(1 / 2)
-    assert record["val/reward/agent/mean"] == pytest.approx(1 / 4)
+    assert record["val/reward/default_traj_name_0/mean"] == pytest.approx(1 / 4)
 
 
 def test_resume_from_a_checkpoint_continues_the_exact_data_order(tmp_path):
@@ -397,7 +402,7 @@ def test_resume_from_a_checkpoint_continues_the_exact_data_order(tmp_path):
         assert [c["global_step"] for c in resumed.backend.checkpoints] == list(range(completed + 1, 7))
 
 
-class FlakyWorkflow(SingleTurnWorkflow):
+class FlakyWorkflow(SimpleWorkflow):
     async def run(self, task, uid, **kwargs):
         if task["id"] == "t1":
             raise ConnectionError("env crashed")
@@ -409,17 +414,26 @@ def test_a_failing_workflow_becomes_a_counted_error_episode(tmp_path):
     trainer.fit()
     assert "update_policy" in trainer.backend.calls
     (groups,) = trainer.backend.trained_groups
-    assert [g.group_id for g in groups] == ["t0:agent"]
+    assert [g.group_id for g in groups] == ["t0:default_traj_name_0"]
     (record,) = read_metrics(tmp_path / "run")
     assert record["batch/termination_reason/error"] == pytest.approx(0.5)
     assert record["batch/termination_reason/env_done"] == pytest.approx(0.5)
+    assert record["batch/default_traj_name_acc"] == 1.0  # SimpleWorkflow's metric, as rLLM names it
 
 
-def test_unsupported_modes_are_refused_before_the_backend_starts(tmp_path):
-    with pytest.raises(ValueError, match="on-policy only"):
+def test_what_needs_rllm_or_a_full_batch_is_refused_before_the_backend_starts(tmp_path):
+    with pytest.raises(ValueError, match="needs rLLM's trainer"):
         make_trainer(tmp_path, train=math_rows(2), async_training={"enable": True})
     with pytest.raises(ValueError, match="fewer than"):
         make_trainer(tmp_path, train=math_rows(1))
+
+
+def test_console_line_shows_the_key_metrics():
+    metrics = {"reward/mean": 0.4123, "val/math/pass@1": 0.3, "train/kl": 0.00123, "time/step": 1.844}
+    assert (
+        console_line(3, 20, metrics)
+        == "step 3/20 | reward 0.412 | val/math/pass@1 0.300 | kl 0.00123 | 1.84 s/step"
+    )
 
 
 # --------------------------------------------------------------------------- workflows
@@ -431,8 +445,8 @@ def run(coro):
 
 def test_workflow_engine_ids_order_and_concurrency_bound():
     engine = ScriptedEngine()
-    workflows = WorkflowEngine(SingleTurnWorkflow, {"reward_fn": exact_match}, engine, n_parallel_tasks=2)
-    tasks, task_ids = repeat_tasks(math_rows(3), 4)
+    workflows = WorkflowEngine(SimpleWorkflow, {"reward_function": exact_match}, engine, n_parallel_tasks=2)
+    tasks, task_ids = rllm_api.task_ids(math_rows(3), 4)
     episodes = run(workflows.execute_tasks(tasks, task_ids, is_validation=True))
     assert [e.id for e in episodes] == [f"t{t}:{r}" for t in range(3) for r in range(4)]
     # 12 rollouts, 2 at a time: the bound is reached and never passed.
@@ -443,7 +457,9 @@ def test_workflow_engine_ids_order_and_concurrency_bound():
 
 
 def test_workflow_engine_can_raise_after_retries():
-    workflows = WorkflowEngine(FlakyWorkflow, {"reward_fn": exact_match}, ScriptedEngine(), retry_limit=2)
+    workflows = WorkflowEngine(
+        FlakyWorkflow, {"reward_function": exact_match}, ScriptedEngine(), retry_limit=2
+    )
     episodes = run(workflows.execute_tasks(math_rows(2), ["t0", "t1"]))
     assert episodes[1].termination_reason == TerminationReason.ERROR
     assert episodes[1].metadata["error"]["error_type"] == "ConnectionError"
@@ -463,33 +479,47 @@ def test_a_workflow_past_its_timeout_ends_as_timeout():
     assert episode.id == "t0:0" and episode.termination_reason == TerminationReason.TIMEOUT
 
 
-def test_single_turn_truncation_is_reported():
+def test_simple_workflow_reports_truncation():
     engine = ScriptedEngine(finish_reason="length")
-    episode = run(SingleTurnWorkflow(engine, exact_match).run(math_rows(1)[0], "t0:0"))
+    episode = run(SimpleWorkflow(engine, exact_match).run(math_rows(1)[0], "t0:0"))
     assert episode.termination_reason == TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
     assert episode.is_correct and episode.trajectories[0].reward == 1.0
 
 
-def test_multi_turn_steps_extend_the_previous_prompt():
-    engine = ScriptedEngine({"q0": ["7", "8", "42"]})
-    workflow = MultiTurnWorkflow(engine, exact_match, max_turns=4)
-    episode = run(workflow.run(math_rows(1)[0], "t0:0"))
-    steps = episode.trajectories[0].steps
-    assert len(steps) == 3 and episode.termination_reason == TerminationReason.ENV_DONE
-    for previous, step in zip(steps, steps[1:], strict=False):
-        assert step.prompt_ids[: len(previous.prompt_ids) + len(previous.response_ids)] == (
-            previous.prompt_ids + previous.response_ids
-        )
-    assert [s.reward for s in steps] == [0.0, 0.0, 1.0] and steps[-1].done
-    assert episode.trajectories[0].reward == 1.0 and episode.is_correct
+def _episode_fields(workflow_cls, answer: str) -> dict[str, Any]:
+    """What a trainer and the backend read of the episode ``workflow_cls`` makes for ``answer``."""
+    task = math_rows(1)[0]
+    workflow = workflow_cls(ScriptedEngine({"q0": [answer]}), exact_match, executor=None)
+    workflow.reset(task=task, uid="t0:0")
+    episode = run(workflow.run_with_termination_handling(task, "t0:0"))
+    (trajectory,) = episode.trajectories
+    (step,) = trajectory.steps
+    return {
+        "id": episode.id,
+        "is_correct": episode.is_correct,
+        "termination_reason": getattr(episode.termination_reason, "value", episode.termination_reason),
+        "metrics": episode.metrics,
+        "name": trajectory.name,
+        "reward": trajectory.reward,
+        "tokens": (step.prompt_ids, step.response_ids, step.logprobs, step.reward),
+    }
 
-    never_right = MultiTurnWorkflow(ScriptedEngine({"q0": ["7"]}), exact_match, max_turns=2)
-    out_of_turns = run(never_right.run(math_rows(1)[0], "t0:0"))
-    assert out_of_turns.termination_reason == TerminationReason.MAX_TURNS_EXCEEDED
-    assert len(out_of_turns.trajectories[0].steps) == 2 and not out_of_turns.is_correct
+
+@pytest.mark.skipif(importlib.util.find_spec("rllm") is None, reason="rLLM is not installed")
+@pytest.mark.parametrize("ours", ["stand-in SimpleWorkflow", "the quickstart's workflow"])
+def test_workflows_make_the_episode_rllms_simple_workflow_makes(ours):
+    """On the same engine and reward function, rLLM's SimpleWorkflow and each of ours (the stand-in;
+    the quickstart's, here over rLLM's Workflow and records) give a trainer and the backend the same."""
+    from rllm.workflows.simple_workflow import SimpleWorkflow as RLLMSimpleWorkflow
+
+    from examples.simple_math.workflow import AskOnceWorkflow
+
+    workflow_cls = SimpleWorkflow if ours == "stand-in SimpleWorkflow" else AskOnceWorkflow
+    for answer in ("42", "7"):
+        assert _episode_fields(workflow_cls, answer) == _episode_fields(RLLMSimpleWorkflow, answer)
 
 
-# --------------------------------------------------------------------------- types and grouping
+# --------------------------------------------------------------------------- records and grouping
 
 
 def test_step_rejects_logprobs_that_do_not_match_the_tokens():
@@ -504,18 +534,19 @@ def test_ids_with_colons_split_at_the_last_one():
     assert TrajectoryGroup([]).group_role == "all_groups"
 
 
-def test_grouping_masks_imputes_names_and_drops_nonfinite_rewards():
-    def traj(reward, name="default_traj_name"):
-        return Trajectory(name=name, steps=[Step(reward=0.0)], reward=reward)
+def test_grouping_imputes_names_takes_step_rewards_and_drops_groups_of_one():
+    def trajectory(reward, name="default_traj_name", steps=1):
+        return Trajectory(name=name, steps=[Step(reward=0.5)] * steps, reward=reward)
 
     episodes = [
-        Episode(id="a:0", trajectories=[traj(1.0), traj(math.nan, "judge")], termination_reason="env_done"),
-        Episode(id="a:1", trajectories=[traj(0.0)], termination_reason=TerminationReason.TIMEOUT),
+        Episode(id="a:0", trajectories=[trajectory(1.0), trajectory(None, "judge"), trajectory(1.0, "x", 0)]),
+        Episode(id="a:1", trajectories=[trajectory(0.0), trajectory(None, "judge")]),
+        Episode(id="b:0", trajectories=[trajectory(1.0)]),
     ]
-    masking = CompactFilteringConfig(enable=True, mask_timeout=True)
-    groups, metrics = group_trajectories(episodes, TransformConfig(), masking)
-    assert [g.group_id for g in groups] == ["a:default_traj_name_0"]
-    assert metrics["groups/masked_episodes"] == 1 and metrics["groups/dropped_nonfinite_reward"] == 1
+    groups, metrics = group_trajectories(episodes)
+    assert [g.group_id for g in groups] == ["a:default_traj_name_0", "a:judge"]
+    assert [t.reward for t in groups[1].trajectories] == [0.5, 0.5]
+    assert metrics["batch/groups_dropped_insufficient_trajs"] == 1  # b's only trajectory
 
 
 # --------------------------------------------------------------------------- dataloader
@@ -553,28 +584,8 @@ def test_dataloader_resume_reproduces_the_exact_order(n_rows, batch_size, drop_l
         assert head + take(second, 12 - stop) == reference
 
 
-LIST_ROWS = """
-    import json, sys
-    from rllm_skyrl import compat
-    compat.apply(["lazy_imports"])
-    from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader
-    batches = list(StatefulTaskDataLoader([{"id": "a"}, {"id": "b"}], 1, shuffle=False))
-    print(json.dumps({"batches": batches, "pandas_ran": type(sys.modules["pandas"]).__name__ == "module"}))
-"""
-
-
-def test_dataloader_given_a_list_leaves_pandas_unrun():
-    """A run's task rows are usually a list: reading them costs pandas' import (0.7 CPU-s at
-    start-up) only when they are a DataFrame."""
-    assert run_python(LIST_ROWS) == {"batches": [[{"id": "a"}], [{"id": "b"}]], "pandas_ran": False}
-
-
-def test_dataloader_reads_dataframes_and_parquet(tmp_path):
-    frame = pd.DataFrame({"id": ["a", "b"], "messages": [[{"role": "user", "content": "hi"}]] * 2})
-    path = tmp_path / "train.parquet"
-    frame.to_parquet(path)
-    for source in (frame, path, str(path)):
-        rows = load_rows(source)
-        assert rows[0] == {"id": "a", "messages": [{"role": "user", "content": "hi"}]}
+def test_dataloader_refuses_a_position_outside_its_rows():
     with pytest.raises(ValueError, match="different dataset"):
-        StatefulTaskDataLoader(frame, 1).load_state_dict({"epoch": 0, "cursor": 5, "seed": 0})
+        StatefulTaskDataLoader([{"id": "a"}, {"id": "b"}], 1).load_state_dict(
+            {"epoch": 0, "cursor": 5, "seed": 0}
+        )

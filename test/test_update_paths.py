@@ -20,14 +20,14 @@ import psutil
 import pytest
 import ray
 import torch
-from helpers import compose_unified, hf_logprobs, hf_model, run_dirs, wait_until
+from helpers import compose_run, compose_unified, hf_logprobs, hf_model, run_dirs, wait_until
 from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 
-from rllm_skyrl import launcher, ray_cluster, runtime
+from rllm_skyrl import ray_cluster, runtime
 from rllm_skyrl.backend import SkyRLBackend
-from rllm_skyrl.records import Episode, Step, Trajectory
+from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone.workflow import Workflow, task_messages
+from rllm_skyrl.training_run import train
 from rllm_skyrl.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -43,11 +43,12 @@ class ScriptedRewardWorkflow(Workflow):
     """Rewards from the task number, rollout index and weight version (see the module docstring)."""
 
     async def run(self, task, uid, **kwargs):
-        output = await self.rollout_engine.get_model_response(task_messages(task), **kwargs)
+        messages = [{"role": "user", "content": task["question"]}]
+        output = await self.rollout_engine.get_model_response(messages, **kwargs)
         output.logprobs = [lp + SHIFT for lp in output.logprobs]
         first_batch = output.weight_version == 0
         reward = float(first_batch and int(task["id"][1:]) % 2 == 0 and uid.endswith(":0"))
-        step = Step(chat_completions=task_messages(task), model_output=output, reward=reward, done=True)
+        step = Step(chat_completions=messages, model_output=output, reward=reward, done=True)
         return Episode(
             id=uid, task=task, trajectories=[Trajectory(name="agent", steps=[step], reward=reward)]
         )
@@ -109,7 +110,7 @@ def _record_worker_calls(monkeypatch) -> tuple[list[Call], list[int]]:
 @pytest.fixture(scope="module")
 def update_run(tmp_path_factory) -> UpdateRun:
     root = tmp_path_factory.mktemp("update_run")
-    cfg = compose_unified(
+    cfg = compose_run(
         *run_dirs(root),
         f"rllm.data.train_batch_size={TASKS_PER_STEP}",
         "training.group_size=2",
@@ -128,7 +129,7 @@ def update_run(tmp_path_factory) -> UpdateRun:
     rows = [{"id": f"t{i}", "question": f"what is {i}?"} for i in range(2 * TASKS_PER_STEP)]
     with pytest.MonkeyPatch.context() as monkeypatch:
         calls, step_ends = _record_worker_calls(monkeypatch)
-        run_dir = launcher.run(cfg, workflow_class=ScriptedRewardWorkflow, train_dataset=rows)
+        run_dir = train(cfg, workflow_class=ScriptedRewardWorkflow, train_dataset=rows)
     assert len(step_ends) == 2, step_ends
     calls_by_step = {1: calls[: step_ends[0]], 2: calls[step_ends[0] : step_ends[1]]}
     metrics = {r["step"]: r for r in read_metrics(run_dir) if "progress/batch" in r}

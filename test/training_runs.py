@@ -2,7 +2,7 @@
 
 ``shared_digits_runs`` starts two runs of ``apps/train_digits.py`` at once and a third after:
 
-    straight   4 steps in one go (validation before training and every 2 steps, wandb, secrets)
+    straight   4 steps in one go (validation before training and every 2 steps, secrets)
     killed     the same training, checkpointing every step, SIGKILLed (with every process it
                started) while its step-3 checkpoint is written but not yet published
     resumed    ``training.resume_mode=auto`` in the killed run's directory: steps 3 and 4
@@ -149,7 +149,7 @@ def kill_during_save(
 
 
 def shared_digits_runs(root: Path) -> SharedRuns:
-    common = ["rllm.trainer.logger=[console,wandb]", *SECRET_OVERRIDES]
+    common = ["rllm.trainer.logger=[console]", *SECRET_OVERRIDES]
     straight = Run(root / "straight", root / "straight.out", root / "straight_rollouts.jsonl")
     killed = Run(root / "killed", root / "killed.out", root / "killed_rollouts.jsonl")
     resumed = Run(root / "killed", root / "resumed.out", root / "resumed_rollouts.jsonl")

@@ -10,16 +10,16 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from examples.sft.task import make_rows, reward_fn
-from rllm_skyrl.launcher import run
+from examples.sft.task import digit_reward, make_rows
+from rllm_skyrl.training_run import train
 
 
 @hydra.main(config_path="../simple_math", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(
+    train(
         cfg,
-        workflow_class="rllm_skyrl.standalone.workflow.SingleTurnWorkflow",
-        workflow_args={"reward_fn": reward_fn},
+        workflow_class="examples.simple_math.workflow.AskOnceWorkflow",
+        workflow_args={"reward_function": digit_reward},
         train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
         val_dataset=make_rows(cfg.dataset.val_rows, seed=cfg.dataset.seed + 1),
     )

@@ -17,12 +17,20 @@ from pathlib import Path
 
 import pandas as pd
 
-from examples.simple_math.task import reward_fn
+from examples.simple_math.task import digit_reward, reward_fn
 
 DATA_SOURCE = "addition_mod10"
 Pair = tuple[int, int]
 
-__all__ = ["DATA_SOURCE", "make_rows", "read_sft_parquet", "reward_fn", "split_pairs", "write_sft_parquet"]
+__all__ = [
+    "DATA_SOURCE",
+    "digit_reward",
+    "make_rows",
+    "read_sft_parquet",
+    "reward_fn",
+    "split_pairs",
+    "write_sft_parquet",
+]
 
 
 def question(a: int, b: int) -> str:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
+
+from rllm_skyrl import rllm_names
 
 DATA_SOURCE = "digit_echo"
 _LEADING_NUMBER = re.compile(r"\d+")
@@ -33,3 +36,9 @@ def make_rows(num_rows: int, seed: int = 0, digits: range = range(10)) -> list[d
 def reward_fn(task: dict, text: str) -> float:
     match = _LEADING_NUMBER.match(text)
     return float(match is not None and match.group(0) == task["answer"])
+
+
+def digit_reward(task: dict, action: Any) -> Any:
+    """``reward_fn`` as an rLLM reward function: ``(task, action) -> RewardOutput``."""
+    reward = reward_fn(task, getattr(action, "action", action) or "")
+    return rllm_names.RewardOutput(reward=reward, is_correct=reward > 0)

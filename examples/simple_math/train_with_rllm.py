@@ -10,17 +10,10 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 from rllm.data.dataset import DatasetRegistry
-from rllm.rewards.reward_types import RewardOutput
 from rllm.trainer import AgentTrainer
 from rllm.workflows.simple_workflow import SimpleWorkflow
 
-from examples.simple_math.task import DATA_SOURCE, make_rows, reward_fn
-
-
-def digit_reward(task: dict, action) -> RewardOutput:
-    """rLLM's reward-function shape around the digit task's reward."""
-    reward = reward_fn(task, getattr(action, "action", action) or "")
-    return RewardOutput(reward=reward, is_correct=reward > 0)
+from examples.simple_math.task import DATA_SOURCE, digit_reward, make_rows
 
 
 def digit_datasets(train_rows: int = 4096, val_rows: int = 50, seed: int = 0):

@@ -1,4 +1,7 @@
-"""Solver-judge GRPO through SkyRLBackend: ``python -m examples.solver_judge.train [overrides]``."""
+"""Solver-judge GRPO through SkyRLBackend: ``python -m examples.solver_judge.train [overrides]``.
+
+Under rLLM's ``UnifiedTrainer`` when rLLM is installed, the standalone fallback otherwise.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,14 @@ import hydra
 from omegaconf import DictConfig
 
 from examples.simple_math.task import make_rows
-from examples.solver_judge.workflow import SolverJudgeWorkflow
-from rllm_skyrl.launcher import run
+from rllm_skyrl.training_run import train
 
 
 @hydra.main(config_path=".", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run(
+    train(
         cfg,
-        workflow_class=SolverJudgeWorkflow,
+        workflow_class="examples.solver_judge.workflow.SolverJudgeWorkflow",  # imported after Ray starts
         workflow_args={"num_solutions": cfg.workflow.num_solutions},
         train_dataset=make_rows(cfg.dataset.train_rows, seed=cfg.dataset.seed),
         val_dataset=make_rows(cfg.dataset.val_rows, seed=cfg.dataset.seed + 1),

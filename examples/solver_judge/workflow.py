@@ -3,6 +3,7 @@
 Each solver attempt is its own trajectory (role ``solver``, rewarded for being right); the judge
 is one trajectory (role ``judge``, rewarded when the answer it picks is right). The trainer groups
 trajectories by task and role, so advantages compare solvers with solvers and judges with judges.
+Written against rLLM's ``Workflow`` and records (``rllm_skyrl.rllm_names``: the fallback's without rLLM).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import re
 from typing import Any
 
 from examples.simple_math.task import reward_fn
-from rllm_skyrl.records import Episode, Step, TerminationReason, Trajectory
-from rllm_skyrl.standalone.workflow import Workflow, task_messages
+from rllm_skyrl.rllm_names import Episode, Step, TerminationReason, Trajectory, Workflow
 
 _NUMBER = re.compile(r"\d+")
 
@@ -40,7 +40,7 @@ class SolverJudgeWorkflow(Workflow):
         return output.content if output.content is not None else (output.text or "")
 
     async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode:
-        messages = task_messages(task)
+        messages = [{"role": "user", "content": task["question"]}]
         attempts = await asyncio.gather(
             *(self.rollout_engine.get_model_response(messages, **kwargs) for _ in range(self.num_solutions))
         )

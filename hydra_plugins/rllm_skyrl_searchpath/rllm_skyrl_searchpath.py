@@ -13,11 +13,17 @@ also never overrides a same-named file the app or rLLM provides.
 rLLM's ``AgentTrainer(backend=...)`` dispatches with an if/elif over the backends it knows. When the
 app has imported it (rLLM's example scripts do, at their top), this plug-in teaches it ``skyrl`` as
 the app's config is composed, so ``rllm/backend=skyrl`` runs rLLM's own scripts unchanged.
+
+An app may also list ``pkg://rllm.trainer.config`` ahead of ``pkg://rllm_skyrl.config`` on its own
+search path (this package's examples do), so that ``rllm/base`` is rLLM's where rLLM is installed
+and the stand-in where it is not; there, Hydra's warning that rLLM's source is unavailable is the
+expected case, and is silenced.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 from hydra._internal.core_plugins import importlib_resources_config_source as _pkg_source
 from hydra.core.config_search_path import ConfigSearchPath
@@ -28,6 +34,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 CONFIG_PACKAGE = "rllm_skyrl.config"
 VISIBLE_GROUP = "rllm/backend"
 SCHEME = "rllm-skyrl"
+_RLLM_CONFIG_UNAVAILABLE = r"provider=hydra\.searchpath in main, path=rllm\.trainer\.config is not available"
 
 
 def _in_group(config_path: str) -> bool:
@@ -73,6 +80,8 @@ class RLLMSkyRLSearchPathPlugin(SearchPathPlugin):
 
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         search_path.append(provider="rllm-skyrl", path=f"{SCHEME}://{CONFIG_PACKAGE}")
+        # Here, not at import: Hydra imports plug-ins inside ``warnings.catch_warnings()``.
+        warnings.filterwarnings("ignore", message=_RLLM_CONFIG_UNAVAILABLE)
         if "rllm.trainer.unified_trainer" in sys.modules:  # the app uses rLLM's AgentTrainer
             from rllm_skyrl.rllm_plugin import register
 

@@ -19,7 +19,7 @@ raylet has registered (see ``start_head``): 0.78 s on a quiet machine where ``ra
 wait made it 1.26 s, and at a run's start, with the driver importing beside it, the driver finds
 it up when it first asks (it waited 1.2 s for it before).
 
-``launch`` starts ``python -m rllm_skyrl.compat.local_ray`` (the launch function does so at a
+``launch`` starts ``python -m rllm_skyrl.compat.local_ray`` (``training_run.train`` does so at a
 run's first line, beside the driver's imports; ``runtime.start_ray`` when nothing was launched),
 which prints the GCS address once the node is up; drivers connect to it with the run's token and
 runtime env.

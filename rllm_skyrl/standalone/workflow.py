@@ -1,11 +1,11 @@
-"""Workflows (how one task becomes one episode) and the engine that runs many of them at once.
+"""rLLM's ``Workflow`` and ``SimpleWorkflow`` for machines without rLLM, and the engine that runs them.
 
-``Workflow.run(task, uid)`` is rLLM's entry point. ``WorkflowEngine.execute_tasks`` is what a
-backend's ``generate_episodes`` awaits: it runs one workflow instance per rollout, at most
-``n_parallel_tasks`` at a time, and names each episode ``"{task_id}:{rollout_idx}"`` where
-``rollout_idx`` counts repeats of the same task id. A workflow that raises becomes an episode
-with termination reason ``error`` (retried up to ``retry_limit`` times), so one bad rollout is
-counted in ``batch/termination_reason/error`` instead of ending the run.
+The stand-ins take rLLM's constructor arguments (``rollout_engine``, ``executor``, ``timeout`` and
+the workflow's own) and ``SimpleWorkflow`` calls its reward function as rLLM's does:
+``reward_function(task, action)`` with the answer in ``action.action``, returning something with
+``.reward``. So one workflow class, written against ``rllm_skyrl.rllm_names``, runs under either
+trainer. The engine drives a workflow as rLLM's ``UnifiedWorkflowEngine`` does (``reset``, then
+``run_with_termination_handling``), so rLLM's own workflow classes run here too.
 """
 
 from __future__ import annotations
@@ -13,212 +13,145 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-import uuid
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rllm_skyrl import rllm_api
 from rllm_skyrl.records import (
+    Action,
     Episode,
-    ModelOutput,
     Step,
     TerminationReason,
     Trajectory,
     termination_value,
 )
-from rllm_skyrl.standalone.rollout_engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[[dict[str, Any], str], float]
-# (task, response text, reward of that response) -> next user message, or None when the env is done.
-FeedbackFn = Callable[[dict[str, Any], str, float], str | None]
-
-
-class Workflow(ABC):
-    """One rollout of one task. A fresh instance is made per rollout, so instances may keep state.
-
-    ``timeout`` (seconds, None for no limit) bounds ``run``; extra keyword arguments are
-    accepted and ignored so rLLM-style ``workflow_args`` (``executor``, ``gamma``...) do not break.
-    """
-
-    def __init__(self, rollout_engine: RolloutEngine, timeout: float | None = None, **kwargs: Any) -> None:
-        self.rollout_engine = rollout_engine
-        self.timeout = timeout
-
-    @abstractmethod
-    async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode:
-        """Roll out ``task``; ``uid`` is the episode id the engine will assign."""
-
 
 def task_messages(task: dict[str, Any]) -> list[dict[str, Any]]:
-    """The opening chat of a task row, read from the same keys rLLM's SimpleWorkflow accepts."""
+    """The opening chat of a task row, from the keys rLLM's ``SimpleWorkflow`` reads."""
     if task.get("messages") is not None:
-        return [dict(m) for m in task["messages"]]
+        return list(task["messages"])
     for key in ("question", "prompt", "problem"):
         if task.get(key) is not None:
             return [{"role": "user", "content": task[key]}]
-    raise ValueError(f"task has none of the keys messages/question/prompt/problem: {sorted(task)}")
+    raise ValueError("No question, problem, messages, or prompt key found in task")
 
 
-def _response_text(output: ModelOutput) -> str:
-    return output.content if output.content is not None else (output.text or "")
-
-
-class SingleTurnWorkflow(Workflow):
-    """One prompt, one response, ``reward_fn(task, text)`` as the reward; ``is_correct`` is reward > 0."""
-
-    def __init__(
-        self, rollout_engine: RolloutEngine, reward_fn: RewardFn, role: str = "agent", **kwargs: Any
-    ) -> None:
-        super().__init__(rollout_engine, **kwargs)
-        self.reward_fn = reward_fn
-        self.role = role
-
-    async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode:
-        messages = task_messages(task)
-        output = await self.rollout_engine.get_model_response(messages, **kwargs)
-        text = _response_text(output)
-        reward = float(self.reward_fn(task, text))
-        step = Step(
-            chat_completions=[*messages, {"role": "assistant", "content": text}],
-            reward=reward,
-            done=True,
-            model_output=output,
-        )
-        reason = (
-            TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
-            if output.finish_reason == "length"
-            else TerminationReason.ENV_DONE
-        )
-        return Episode(
-            id=uid,
-            task=task,
-            trajectories=[Trajectory(name=self.role, task=task, steps=[step], reward=reward)],
-            is_correct=reward > 0,
-            termination_reason=reason,
-            metrics={f"{self.role}_acc": reward},
-        )
-
-
-def retry_until_correct(task: dict[str, Any], text: str, reward: float) -> str | None:
-    """Default environment of MultiTurnWorkflow: done once solved, otherwise ask again."""
-    if reward > 0:
-        return None
-    return "That is not correct. Check your work and answer again."
-
-
-class MultiTurnWorkflow(Workflow):
-    """Up to ``max_turns`` model turns with environment feedback in between.
-
-    Every turn is a Step whose prompt is the whole conversation so far (the engine templates
-    the full message list), so each step's prompt extends the previous step's prompt and
-    response; the backend can merge them into one training row. Step rewards are
-    ``reward_fn`` on that turn's response; the trajectory reward is the final turn's.
-    """
+class Workflow(ABC):
+    """One rollout of one task: ``run(task, uid)`` returns an ``Episode`` or raises ``TerminationEvent``."""
 
     def __init__(
         self,
-        rollout_engine: RolloutEngine,
-        reward_fn: RewardFn,
-        feedback_fn: FeedbackFn = retry_until_correct,
-        max_turns: int = 2,
-        role: str = "agent",
+        rollout_engine: Any,
+        executor: ThreadPoolExecutor | None = None,
+        timeout: float = 1e6,
         **kwargs: Any,
     ) -> None:
-        super().__init__(rollout_engine, **kwargs)
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
-        self.reward_fn = reward_fn
-        self.feedback_fn = feedback_fn
-        self.max_turns = max_turns
-        self.role = role
+        self.rollout_engine = rollout_engine
+        self.executor = executor
+        self.timeout = timeout
 
-    async def run(self, task: dict[str, Any], uid: str, **kwargs: Any) -> Episode:
+    def reset(self, task: Any = None, uid: str | None = None) -> None:
+        self.task, self.uid = task, uid
+
+    @abstractmethod
+    async def run(self, task: Any, uid: str, **kwargs: Any) -> Episode | None:
+        """Roll out ``task``; ``uid`` is ``"{task_id}:{rollout_idx}"``."""
+
+    async def run_with_termination_handling(self, task: Any, uid: str, **kwargs: Any) -> Episode:
+        """``run``, with a timeout, a ``TerminationEvent`` or an exception ending the episode with that
+        reason (rLLM's semantics): one bad rollout is counted, not fatal."""
+        try:
+            episode = await asyncio.wait_for(self.run(task, uid, **kwargs), timeout=self.timeout)
+        except TimeoutError:
+            return Episode(id=uid, task=task, termination_reason=TerminationReason.TIMEOUT)
+        except Exception as error:
+            reason = getattr(error, "reason", None)  # a TerminationEvent, ours or rLLM's
+            if reason is not None and termination_value(reason) in set(TerminationReason):
+                return Episode(
+                    id=uid, task=task, termination_reason=TerminationReason(termination_value(reason))
+                )
+            details = {"error_type": type(error).__name__, "error_message": str(error)}
+            details["traceback"] = traceback.format_exc()
+            return Episode(
+                id=uid, task=task, termination_reason=TerminationReason.ERROR, metadata={"error": details}
+            )
+        if not isinstance(episode, Episode):
+            raise TypeError(
+                f"{type(self).__name__}.run returned {type(episode).__name__}, expected an Episode"
+            )
+        return episode
+
+
+class SimpleWorkflow(Workflow):
+    """rLLM's ``SimpleWorkflow``: one question, one answer, ``reward_function(task, action)`` scores it.
+
+    The episode is what rLLM's version makes: one unnamed trajectory whose reward is the answer's,
+    ``is_correct`` when that reward is positive, and ``<trajectory name>_acc`` as its metric.
+    """
+
+    def __init__(
+        self, rollout_engine: Any, reward_function: Callable[[Any, Action], Any], **kwargs: Any
+    ) -> None:
+        super().__init__(rollout_engine, **kwargs)
+        self.reward_function = reward_function
+
+    async def run(self, task: Any, uid: str, **kwargs: Any) -> Episode:
         messages = task_messages(task)
-        steps: list[Step] = []
-        reason = TerminationReason.MAX_TURNS_EXCEEDED
-        for turn in range(self.max_turns):
-            output = await self.rollout_engine.get_model_response(messages, **kwargs)
-            text = _response_text(output)
-            reward = float(self.reward_fn(task, text))
-            messages = [*messages, {"role": "assistant", "content": text}]
-            steps.append(Step(chat_completions=list(messages), reward=reward, model_output=output))
-            if output.finish_reason == "length":
-                reason = TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED
-                break
-            feedback = self.feedback_fn(task, text, reward)
-            if feedback is None:
-                reason = TerminationReason.ENV_DONE
-                break
-            if turn + 1 < self.max_turns:
-                messages = [*messages, {"role": "user", "content": feedback}]
-        steps[-1].done = True
-        final_reward = steps[-1].reward
+        output = await self.rollout_engine.get_model_response(messages, application_id=uid, **kwargs)
+        reward = float(self.reward_function(task, Action(action=output.content)).reward)
+        step = Step(
+            chat_completions=[*messages, {"role": "assistant", "content": output.content}],
+            reward=reward,
+            model_output=output,
+        )
+        trajectory = Trajectory(task=task, steps=[step], reward=reward)
+        truncated = output.finish_reason == "length"
         return Episode(
             id=uid,
             task=task,
-            trajectories=[Trajectory(name=self.role, task=task, steps=steps, reward=final_reward)],
-            is_correct=final_reward > 0,
-            termination_reason=reason,
-            metrics={f"{self.role}_acc": final_reward, "num_turns": len(steps)},
+            trajectories=[trajectory],
+            is_correct=reward > 0,
+            termination_reason=(
+                TerminationReason.MAX_RESPONSE_LENGTH_EXCEEDED if truncated else TerminationReason.ENV_DONE
+            ),
+            metrics={f"{trajectory.name}_acc": reward},
         )
-
-
-def repeat_tasks(batch: Sequence[dict[str, Any]], n: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """Each task ``n`` times in a row, with one shared id per task (its ``id`` field, else a uuid).
-
-    The shared id is what groups the ``n`` rollouts for advantage estimation and pass@k.
-    """
-    tasks: list[dict[str, Any]] = []
-    task_ids: list[str] = []
-    for task in batch:
-        task_id = str(task["id"]) if task.get("id") not in (None, "") else str(uuid.uuid4())
-        tasks.extend([task] * n)
-        task_ids.extend([task_id] * n)
-    return tasks, task_ids
 
 
 class WorkflowEngine:
-    """Runs ``workflow_cls(rollout_engine=..., **workflow_args)`` once per rollout, concurrently."""
+    """Runs one workflow per rollout, at most ``n_parallel_tasks`` at a time (rLLM's ``execute_tasks``).
+
+    Episode ids are ``"{task_id}:{rollout_idx}"``, counting the repeats of each task id; a rollout
+    that ends in error is tried up to ``retry_limit`` times, then counted (or raised).
+    """
 
     def __init__(
         self,
-        workflow_cls: type[Workflow],
+        workflow_cls: type,
         workflow_args: dict[str, Any] | None,
-        rollout_engine: RolloutEngine,
-        n_parallel_tasks: int = 128,
+        rollout_engine: Any,
+        n_parallel_tasks: int = 256,
         retry_limit: int = 1,
         raise_on_error: bool = False,
     ) -> None:
-        if n_parallel_tasks < 1 or retry_limit < 1:
-            raise ValueError(
-                f"n_parallel_tasks ({n_parallel_tasks}) and retry_limit ({retry_limit}) must be >= 1"
-            )
         self.workflow_cls = workflow_cls
         self.workflow_args = dict(workflow_args or {})
         self.rollout_engine = rollout_engine
         self.n_parallel_tasks = n_parallel_tasks
         self.retry_limit = retry_limit
         self.raise_on_error = raise_on_error
-        self._executor: ThreadPoolExecutor | None = None  # environment calls of rLLM workflows
+        self.executor = ThreadPoolExecutor(max_workers=n_parallel_tasks)  # rLLM workflows' blocking calls
 
     async def execute_tasks(
-        self,
-        tasks: Sequence[dict[str, Any]],
-        task_ids: Sequence[str] | None = None,
-        is_validation: bool = False,
-        **kwargs: Any,
+        self, tasks: Sequence[Any], task_ids: Sequence[str], is_validation: bool = False, **kwargs: Any
     ) -> list[Episode]:
-        """One episode per task, in input order. ``kwargs`` are passed on to ``Workflow.run``."""
+        """One episode per task, in input order; ``kwargs`` reach each workflow's ``run``."""
         self.rollout_engine.is_validation = is_validation
-        if task_ids is None:
-            task_ids = [str(uuid.uuid4()) for _ in tasks]
-        if len(task_ids) != len(tasks):
-            raise ValueError(f"{len(tasks)} tasks but {len(task_ids)} task ids")
         seen: dict[str, int] = defaultdict(int)
         uids = []
         for task_id in task_ids:
@@ -229,69 +162,33 @@ class WorkflowEngine:
         return list(await asyncio.gather(*rollouts))
 
     async def _rollout(
-        self, limit: asyncio.Semaphore, task: dict[str, Any], uid: str, kwargs: dict[str, Any]
+        self, limit: asyncio.Semaphore, task: Any, uid: str, kwargs: dict[str, Any]
     ) -> Episode:
         async with limit:
             for attempt in range(1, self.retry_limit + 1):
-                episode = await self._run_once(task, uid, kwargs)
+                workflow = self.workflow_cls(
+                    rollout_engine=self.rollout_engine, executor=self.executor, **self.workflow_args
+                )
+                workflow.reset(task=task, uid=uid)
+                episode = await workflow.run_with_termination_handling(task=task, uid=uid, **kwargs)
                 if termination_value(episode.termination_reason) != TerminationReason.ERROR.value:
                     break
-                error = episode.metadata["error"]
+                error = episode.metadata.get("error", {})
                 logger.warning(
                     "rollout %s failed (attempt %d/%d): %s: %s",
                     uid,
                     attempt,
                     self.retry_limit,
-                    error["error_type"],
-                    error["error_message"],
+                    error.get("error_type"),
+                    error.get("error_message"),
                 )
             else:
                 if self.raise_on_error:
                     raise RuntimeError(
-                        f"rollout {uid} failed {self.retry_limit} times:\n{error['traceback']}"
+                        f"rollout {uid} failed {self.retry_limit} times:\n{error.get('traceback')}"
                     )
-        # The engine, not the workflow, owns the id: grouping and pass@k rely on it.
-        episode.id = uid
-        episode.task = task
+        episode.id, episode.task = uid, task  # the engine owns the id: grouping and pass@k rely on it
         return episode
 
-    async def _run_once(self, task: dict[str, Any], uid: str, kwargs: dict[str, Any]) -> Episode:
-        if rllm_api.is_rllm_workflow(self.workflow_cls):
-            return await self._run_rllm_workflow(task, uid, kwargs)
-        workflow = self.workflow_cls(rollout_engine=self.rollout_engine, **self.workflow_args)
-        try:
-            episode = await asyncio.wait_for(workflow.run(task, uid, **kwargs), timeout=workflow.timeout)
-        except TimeoutError:
-            return Episode(id=uid, task=task, termination_reason=TerminationReason.TIMEOUT)
-        except Exception as exc:
-            reason = getattr(exc, "reason", None)  # a TerminationEvent (ours or rLLM's)
-            if reason is not None and str(getattr(reason, "value", reason)) in set(TerminationReason):
-                return Episode(
-                    id=uid,
-                    task=task,
-                    termination_reason=TerminationReason(str(getattr(reason, "value", reason))),
-                )
-            error = {
-                "error_type": type(exc).__name__,
-                "error_message": str(exc),
-                "traceback": traceback.format_exc(),
-            }
-            return Episode(
-                id=uid, task=task, termination_reason=TerminationReason.ERROR, metadata={"error": error}
-            )
-        if not isinstance(episode, Episode):
-            raise TypeError(
-                f"{self.workflow_cls.__name__}.run returned {type(episode).__name__}, expected an Episode"
-            )
-        return episode
-
-    async def _run_rllm_workflow(self, task: Any, uid: str, kwargs: dict[str, Any]) -> Any:
-        """An rLLM ``Workflow``, run as rLLM's workflow engine runs it: its own termination handling
-        turns a ``TerminationEvent``, a timeout or an exception into the episode's reason."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=self.n_parallel_tasks)
-        workflow = self.workflow_cls(
-            rollout_engine=self.rollout_engine, executor=self._executor, **self.workflow_args
-        )
-        workflow.reset(task, uid)
-        return await workflow.run_with_termination_handling(task, uid, **kwargs)
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)

@@ -1,5 +1,7 @@
 """A real training run for the tests: ``python test/apps/train_digits.py hydra.run.dir=DIR [overrides]``.
 
+Under rLLM's trainer and records when rLLM is installed, the fallback's otherwise (as the examples).
+
 The workflow appends one JSON line per rollout to ``$ROLLOUT_LOG`` (when set): episode id, whether
 it was a validation rollout, the weight version it sampled from, its data source, its reward and
 its response length. The tests rebuild the data order and pass@k from that record.
@@ -23,9 +25,8 @@ import hydra
 from omegaconf import DictConfig
 
 from rllm_skyrl import checkpoint
-from rllm_skyrl.launcher import run
-from rllm_skyrl.records import Episode, Step, TerminationReason, Trajectory
-from rllm_skyrl.standalone.workflow import Workflow, task_messages
+from rllm_skyrl.rllm_names import Episode, Step, TerminationReason, Trajectory, Workflow
+from rllm_skyrl.training_run import train
 
 VAL_SOURCES = ("digits_a", "digits_b")
 
@@ -45,7 +46,8 @@ def make_rows(num_rows: int, seed: int, prefix: str, sources: tuple[str, ...]) -
 class LoggedParityWorkflow(Workflow):
     async def run(self, task: dict, uid: str, **kwargs) -> Episode:
         validation = bool(self.rollout_engine.is_validation)
-        output = await self.rollout_engine.get_model_response(task_messages(task), **kwargs)
+        messages = [{"role": "user", "content": task["question"]}]
+        output = await self.rollout_engine.get_model_response(messages, **kwargs)
         ids = output.completion_ids
         reward = float(bool(ids) and ids[0] % 2 == 0)
         if os.environ.get("ROLLOUT_LOG"):
@@ -59,7 +61,7 @@ class LoggedParityWorkflow(Workflow):
             }
             with open(os.environ["ROLLOUT_LOG"], "a") as f:
                 f.write(json.dumps(record) + "\n")
-        step = Step(chat_completions=task_messages(task), reward=reward, done=True, model_output=output)
+        step = Step(chat_completions=messages, reward=reward, done=True, model_output=output)
         return Episode(
             id=uid,
             task=task,
@@ -84,7 +86,7 @@ def hold_save(step: int, marker: Path) -> None:
 def main(cfg: DictConfig) -> None:
     if os.environ.get("HOLD_SAVE_AT_STEP"):
         hold_save(int(os.environ["HOLD_SAVE_AT_STEP"]), Path(os.environ["HOLD_SAVE_MARKER"]))
-    run(
+    train(
         cfg,
         workflow_class=LoggedParityWorkflow,
         train_dataset=make_rows(cfg.dataset.train_rows, cfg.dataset.seed, "train", ("digits",)),

@@ -1,0 +1,143 @@
+"""What a run shows on the console: a progress bar with the live reward, and a summary at the end.
+
+The trainers print on their own too. rLLM's prints, whatever ``rllm.trainer.logger`` says, its
+config as a table at the start and, every step, a table of every metric (about 90 rows), two
+sample trajectories and a rollout progress bar; the fallback prints a line per step with
+``console``. Unless ``console`` is among ``rllm.trainer.logger``, what the trainer prints goes to
+``<run dir>/trainer_output.log`` (secrets masked, as on the console), and the console keeps the
+bar, the log's warnings and errors, and the summary.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from rllm_skyrl.run_log import read_metrics
+
+logger = logging.getLogger(__name__)
+
+TRAINER_OUTPUT = "trainer_output.log"
+
+
+class _MaskedFile(io.TextIOBase):
+    """A text file that masks the run's secrets in what is written to it."""
+
+    def __init__(self, file: TextIO, masker: Any) -> None:
+        self._file = file
+        self._masker = masker
+
+    def write(self, text: str) -> int:
+        self._file.write(self._masker.mask(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+@contextmanager
+def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterator[None]:
+    """Inside, what the trainer prints goes to ``<run_dir>/trainer_output.log`` unless ``on_console``.
+
+    Log records keep going to their handlers (the console's among them): only ``print``-style
+    output and progress bars drawn on ``sys.stdout``/``sys.stderr`` are moved.
+    """
+    if on_console:
+        yield
+        return
+    path = Path(run_dir) / TRAINER_OUTPUT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as file:
+        stream = _MaskedFile(file, masker)
+        with redirect_stdout(stream), redirect_stderr(stream):  # type: ignore[type-var]
+            yield
+
+
+class ProgressBar:
+    """A bar on ``stream`` that follows the trainer's training records (validation's are skipped).
+
+    Its length is read off the first record: the backend publishes tinker's ``progress/batch``
+    (the step) and ``progress/done_frac`` (step / total steps).
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._bar: tqdm | None = None
+
+    def update(self, data: Mapping[str, Any], step: int) -> None:
+        reward = data.get("reward/mean")
+        if reward is None:
+            return
+        if self._bar is None:
+            done = data.get("progress/done_frac")
+            total = round(step / done) if done else None
+            self._bar = tqdm(
+                total=total,
+                initial=step,
+                desc="training",
+                unit="step",
+                file=self._stream,
+                dynamic_ncols=True,
+            )
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(reward=f"{reward:.3f}")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def show_progress(tracking: Any, stream: TextIO) -> ProgressBar:
+    """Advance a bar on ``stream`` with every record the trainer's logger gets (rLLM's ``Tracking``
+    or the fallback's logger: both are called ``log(data, step)``)."""
+    bar = ProgressBar(stream)
+    original = tracking.log
+
+    def log(data: Mapping[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
+        result = original(data, step, *args, **kwargs)
+        bar.update(data, step)
+        return result
+
+    tracking.log = log
+    return bar
+
+
+def print_summary(run_dir: Path, records: list[dict]) -> None:
+    """A few lines a user can act on: where the run is, and whether reward went up."""
+    train = [r for r in records if "reward/mean" in r]
+    lines = [f"run directory: {run_dir}", f"metrics: {run_dir / 'metrics.jsonl'}"]
+    if train:
+        window = max(1, min(10, len(train) // 4))
+        first = sum(r["reward/mean"] for r in train[:window]) / window
+        last = sum(r["reward/mean"] for r in train[-window:]) / window
+        lines.append(
+            f"steps: {train[-1]['step']}  reward/mean: {first:.3f} (first {window} steps) "
+            f"-> {last:.3f} (last {window})"
+        )
+    validation = {
+        k: v for k, v in (records[-1] if records else {}).items() if k.startswith("val/") and "pass@" in k
+    }
+    lines += [f"{key}: {value:.3f}" for key, value in sorted(validation.items())]
+    print("\n".join(lines), flush=True)
+
+
+def finish_run(run_dir: str | Path) -> None:
+    """The end of a run: ``metrics.png`` from ``metrics.jsonl``, and the summary."""
+    from rllm_skyrl.plot import plot_run  # matplotlib: only once there is something to draw
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    if not records:
+        return
+    try:
+        plot_run(run_dir)
+    except ValueError as error:  # nothing plottable was logged
+        logger.warning("no plot for %s: %s", run_dir, error)
+    print_summary(run_dir, records)

@@ -1,0 +1,132 @@
+"""One training run, whichever trainer drives it: build it, fit, always shut down, and report.
+
+Every entry comes here: the examples' Hydra apps call ``train``, and rLLM's ``AgentTrainer(backend=
+"skyrl")`` does through ``rllm_plugin.SkyRLTrainerLauncher``. The trainer is rLLM's
+``UnifiedTrainer`` when rLLM is installed and the standalone fallback otherwise
+(``rllm_names``); around it every run gets the same: the environment's and the config's secrets
+masked in everything it prints, the import-time patch sets before the heavy imports, Ray launched
+beside those imports on a CPU machine, the keys of rLLM's other backends written onto their
+targets (``run_config.with_aliases``), ``metrics.jsonl``, a progress bar with the live reward,
+``metrics.png`` and a summary (``run_console``), one line for a setting to fix, and a clean stop
+on Ctrl-C or SIGTERM with Ray, workers and servers gone.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rllm_skyrl import rllm_names
+
+
+def train(
+    config: DictConfig,
+    workflow_class: str | type,
+    workflow_args: dict[str, Any] | None = None,
+    train_dataset: Any = None,
+    val_dataset: Any = None,
+    *,
+    trainer_cls: type | None = None,
+    backend_cls: type | None = None,
+    backend_args: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> Path:
+    """Train with the SkyRL backend; returns the run directory (``rllm.trainer.run_dir``).
+
+    ``workflow_class`` may be a dotted path, rLLM's included (``rllm_names.resolve``), so that it is
+    imported only once Ray is on its way. ``trainer_cls`` defaults to ``rllm_names.UnifiedTrainer``;
+    ``backend_cls`` to ``SkyRLBackend`` (a subclass with its own hooks goes through the same path);
+    ``trainer_kwargs`` reach the trainer (rLLM's take ``traj_group_adv_estimator_map``, ``store``...).
+    """
+    from rllm_skyrl.compat import local_ray
+
+    local = local_ray.launch_for_cpu_run()  # on a CPU machine: Ray in its own process, beside our imports
+    try:
+        return _train(
+            config,
+            workflow_class,
+            workflow_args,
+            train_dataset,
+            val_dataset,
+            trainer_cls,
+            backend_cls,
+            backend_args,
+            trainer_kwargs,
+        )
+    finally:
+        if local is not None:  # the runtime stopped it already, unless the run ended before it started
+            local_ray.stop(local)
+
+
+def _plain(config: DictConfig) -> Any:
+    """The config as plain values for finding its secrets: resolved where it resolves."""
+    try:
+        return OmegaConf.to_container(config, resolve=True, throw_on_missing=False)
+    except Exception:  # an interpolation that cannot resolve yet: its error belongs to the trainer
+        return OmegaConf.to_container(config, resolve=False)
+
+
+def _train(
+    config: DictConfig,
+    workflow_class: str | type,
+    workflow_args: dict[str, Any] | None,
+    train_dataset: Any,
+    val_dataset: Any,
+    trainer_cls: type | None,
+    backend_cls: type | None,
+    backend_args: dict[str, Any] | None,
+    trainer_kwargs: dict[str, Any],
+) -> Path:
+    from rllm_skyrl import compat
+    from rllm_skyrl.compat.output_masking import mask_process_output
+    from rllm_skyrl.secret_masking import scrub_hydra_outputs
+
+    masker = mask_process_output(_plain(config))
+    scrub_hydra_outputs(masker)
+    compat.prepare_imports()  # before the backend's and the trainer's imports (see each set)
+    from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.launcher import clean_stop, one_line_errors, quiet_libraries
+    from rllm_skyrl.run_config import with_aliases
+    from rllm_skyrl.run_console import finish_run, show_progress, trainer_output
+    from rllm_skyrl.run_log import mirror_logger
+
+    quiet_libraries()
+    with one_line_errors():
+        config = with_aliases(config)  # the trainer reads rllm.* keys that an alias may set
+    run_dir = Path(OmegaConf.select(config, "rllm.trainer.run_dir", default="logs/rllm-skyrl"))
+    loggers = OmegaConf.select(config, "rllm.trainer.logger", default=["console"])
+    on_console = "console" in ([loggers] if isinstance(loggers, str) else list(loggers))
+    console = sys.stderr  # the progress bar's: the console, also while the trainer's output is moved
+    with clean_stop():
+        trainer = None
+        try:
+            with one_line_errors(), trainer_output(run_dir, masker, on_console):
+                trainer = (trainer_cls or rllm_names.UnifiedTrainer)(
+                    backend_cls=backend_cls or SkyRLBackend,
+                    config=config,
+                    workflow_class=rllm_names.resolve(workflow_class),
+                    train_dataset=train_dataset,
+                    val_dataset=val_dataset,
+                    workflow_args=workflow_args or {},
+                    backend_args=backend_args,
+                    **trainer_kwargs,
+                )
+            mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
+            progress = show_progress(trainer.logger, console)
+            try:
+                with trainer_output(run_dir, masker, on_console):
+                    trainer.fit()
+            finally:
+                progress.close()
+        finally:
+            try:
+                if trainer is not None:
+                    with trainer_output(run_dir, masker, on_console):
+                        trainer.shutdown()
+            finally:  # what the trainer did not stop: its build failed after the backend had started
+                SkyRLBackend.shutdown_all()
+    finish_run(run_dir)
+    return run_dir
