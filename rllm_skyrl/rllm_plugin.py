@@ -7,10 +7,9 @@ Three ways in, from the most explicit to the most convenient:
 2. ``SkyRLTrainerLauncher(cfg, workflow_class=..., ...).train()``: what rLLM's per-backend launchers
    do (build the trainer, fit, always shut down), through the run every entry point gets
    (``training_run.train``).
-3. ``register()``, then rLLM's ``AgentTrainer(config=cfg, workflow_class=..., backend="skyrl").train()``.
-   rLLM's ``AgentTrainer`` picks its launcher with an if/elif over backend names and has no table
-   to add to, so ``register()`` wraps its constructor: ``backend="skyrl"`` builds a
-   ``SkyRLTrainerLauncher``; every other value runs rLLM's own constructor untouched.
+3. ``register()``, then rLLM's ``AgentTrainer(config=cfg, workflow_class=..., backend="skyrl").train()``:
+   ``backend="skyrl"`` builds a ``SkyRLTrainerLauncher`` (the ``rllm_agent_trainer`` patch set:
+   rLLM has no table of backends to add one to), every other value rLLM's own launcher.
 
 The config side needs no call: with this package installed, the Hydra plug-in in
 ``hydra_plugins/rllm_skyrl_searchpath`` makes ``rllm/backend=skyrl`` resolve inside rLLM's
@@ -23,21 +22,14 @@ command when it is absent.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
-import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rllm_skyrl import compat
+from rllm_skyrl.compat import rllm_agent_trainer
+from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE
 from rllm_skyrl.optional_deps import require
-
-logger = logging.getLogger(__name__)
-
-BACKEND_NAME = "skyrl"
-_TRAINER_MODULE = "rllm.trainer.unified_trainer"
-_ORIGINAL_INIT = "__rllm_skyrl_original_init__"
 
 # rLLM routes these paths' inference through its model gateway, which only knows Tinker's and
 # verl's engines by class name; with any other engine it registers no worker and rollouts hang.
@@ -92,7 +84,7 @@ class SkyRLTrainerLauncher:
         """Train under rLLM's ``UnifiedTrainer`` through ``training_run.train``: the run every entry
         gets (secrets masked, ``metrics.jsonl``, progress bar, ``metrics.png``, summary, clean stop),
         with Ray, workers and servers shut down however it ends."""
-        unified = require("rllm", _TRAINER_MODULE)
+        unified = require("rllm", TRAINER_MODULE)
         from rllm_skyrl.training_run import train
 
         train(
@@ -109,61 +101,17 @@ class SkyRLTrainerLauncher:
         )
 
 
-def _selected_backend(argument: str | None, config: Any) -> str | None:
-    """The backend to build: the config group the user picked wins over a name fixed in code.
-
-    Several of rLLM's example scripts pass ``AgentTrainer(backend="tinker")`` while their shell
-    scripts choose the config group; with ``rllm/backend=skyrl`` the composed config only has this
-    backend's keys, so building tinker's launcher from it could only fail.
-    """
-    chosen = OmegaConf.select(config, "rllm.backend") if isinstance(config, DictConfig) else None
-    if chosen == BACKEND_NAME and argument != BACKEND_NAME:
-        logger.warning(
-            "AgentTrainer(backend=%r) with the config composed for rllm/backend=%s: training with %s",
-            argument,
-            BACKEND_NAME,
-            BACKEND_NAME,
-        )
-        return BACKEND_NAME
-    return argument
-
-
 def register() -> None:
     """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher``; safe to call twice.
 
-    Wraps ``AgentTrainer.__init__`` in place rather than replacing the class, so code that already
-    imported ``AgentTrainer`` (``from rllm.trainer import AgentTrainer``) sees the change too.
+    The constructor wrap is the ``rllm_agent_trainer`` patch set: on an rLLM version it was not
+    verified on it is skipped with one warning, and ``SkyRLTrainerLauncher`` still works directly.
     """
-    agent_trainer = require("rllm", _TRAINER_MODULE).AgentTrainer
-    original = agent_trainer.__init__
-    if hasattr(original, _ORIGINAL_INIT):
-        return
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        if _selected_backend(arguments.pop("backend", None), arguments.get("config")) != BACKEND_NAME:
-            original(self, *args, **kwargs)
-            return
-        arguments.pop("self")
-        for parameter in signature.parameters.values():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(arguments.pop(parameter.name, {}))
-        arguments["backend_name"] = BACKEND_NAME
-        self.launcher = SkyRLTrainerLauncher(**arguments)
-
-    setattr(__init__, _ORIGINAL_INIT, original)
-    agent_trainer.__init__ = __init__
+    agent_trainer = require("rllm", TRAINER_MODULE).AgentTrainer
+    if compat.usable(["rllm_agent_trainer"]):
+        rllm_agent_trainer.install(agent_trainer, SkyRLTrainerLauncher)
 
 
 def unregister() -> None:
     """Undo ``register()``: rLLM's own ``AgentTrainer`` constructor again."""
-    module = sys.modules.get(_TRAINER_MODULE)
-    if module is None:
-        return
-    original = getattr(module.AgentTrainer.__init__, _ORIGINAL_INIT, None)
-    if original is not None:
-        module.AgentTrainer.__init__ = original
+    rllm_agent_trainer.remove()

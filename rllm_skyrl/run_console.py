@@ -60,7 +60,8 @@ def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterat
 
 
 class ProgressBar:
-    """A bar on ``stream`` that follows the trainer's training records (validation's are skipped).
+    """A bar on ``stream`` that follows the trainer's training records (validation's are skipped);
+    one of the trainer's loggers.
 
     Its length is read off the first record: the backend publishes tinker's ``progress/batch``
     (the step) and ``progress/done_frac`` (step / total steps).
@@ -70,7 +71,7 @@ class ProgressBar:
         self._stream = stream
         self._bar: tqdm | None = None
 
-    def update(self, data: Mapping[str, Any], step: int) -> None:
+    def log(self, data: Mapping[str, Any], step: int) -> None:
         reward = data.get("reward/mean")
         if reward is None:
             return
@@ -92,21 +93,6 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def show_progress(tracking: Any, stream: TextIO) -> ProgressBar:
-    """Advance a bar on ``stream`` with every record the trainer's logger gets (rLLM's ``Tracking``
-    or the fallback's logger: both are called ``log(data, step)``)."""
-    bar = ProgressBar(stream)
-    original = tracking.log
-
-    def log(data: Mapping[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
-        result = original(data, step, *args, **kwargs)
-        bar.update(data, step)
-        return result
-
-    tracking.log = log
-    return bar
 
 
 def print_summary(run_dir: Path, records: list[dict]) -> None:

@@ -1,8 +1,8 @@
 """A run's ``metrics.jsonl``: one JSON object per logged step, whichever trainer drives the run.
 
 ``{"step": 3, "reward/mean": 0.4, ...}`` per line, appended as steps finish, so the file is
-readable (and plottable) while the run goes on or after it died. Both trainers write it, through
-their logger, which ``training_run`` attaches to.
+readable (and plottable) while the run goes on or after it died. ``MetricsSink`` writes it as one
+of the trainer's loggers, either trainer's (``training_run`` adds it).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,25 +79,21 @@ class MetricsFile:
         return record
 
 
-def mirror_logger(tracking: Any, run_dir: str | Path, resumed_step: Any) -> MetricsFile:
-    """Make every record rLLM's ``Tracking`` logs also land in ``<run_dir>/metrics.jsonl``.
+class MetricsSink:
+    """A trainer logger that writes every record it gets to ``<run_dir>/metrics.jsonl``.
 
-    rLLM's trainer owns its logger and has no hook for another sink, so its ``log`` is wrapped.
-    ``resumed_step()`` (called at the first record) says where a resumed run picked up: later
-    records of an earlier run in the same directory are dropped, so the file has one history.
+    ``resumed_step()`` (asked at the first record, once the backend has restored a checkpoint)
+    says where a resumed run picked up: later records of an earlier run in the same directory are
+    dropped, so the file has one history.
     """
-    file = MetricsFile(run_dir)
-    original = tracking.log
-    first = True
 
-    def log(data: Mapping[str, Any], step: int, *args: Any, **kwargs: Any) -> Any:
-        nonlocal first
-        if first:
-            resumed = resumed_step()
-            file.keep_through(resumed if resumed else -1)
-            first = False
-        file.append(step, data)
-        return original(data, step, *args, **kwargs)
+    def __init__(self, run_dir: str | Path, resumed_step: Callable[[], int | None]) -> None:
+        self.file = MetricsFile(run_dir)
+        self._resumed_step: Callable[[], int | None] | None = resumed_step
 
-    tracking.log = log
-    return file
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        if self._resumed_step is not None:
+            resumed = self._resumed_step()
+            self.file.keep_through(resumed if resumed else -1)
+            self._resumed_step = None
+        self.file.append(step, data)

@@ -88,10 +88,11 @@ def _train(
     scrub_hydra_outputs(masker)
     compat.prepare_imports()  # before the backend's and the trainer's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.compat.rllm_tracking import add_sinks
     from rllm_skyrl.launcher import clean_stop, one_line_errors, quiet_libraries
     from rllm_skyrl.run_config import with_aliases
-    from rllm_skyrl.run_console import finish_run, show_progress, trainer_output
-    from rllm_skyrl.run_log import mirror_logger
+    from rllm_skyrl.run_console import ProgressBar, finish_run, trainer_output
+    from rllm_skyrl.run_log import MetricsSink
 
     quiet_libraries()
     with one_line_errors():
@@ -114,8 +115,12 @@ def _train(
                     backend_args=backend_args,
                     **trainer_kwargs,
                 )
-            mirror_logger(trainer.logger, run_dir, lambda: getattr(trainer.backend, "resumed_step", None))
-            progress = show_progress(trainer.logger, console)
+            progress = ProgressBar(console)
+            add_sinks(
+                trainer.logger,
+                metrics_jsonl=MetricsSink(run_dir, lambda: getattr(trainer.backend, "resumed_step", None)),
+                progress_bar=progress,
+            )
             try:
                 with trainer_output(run_dir, masker, on_console):
                     trainer.fit()

@@ -12,8 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from rllm_skyrl.run_console import TRAINER_OUTPUT, show_progress, trainer_output
-from rllm_skyrl.run_log import mirror_logger, read_metrics
+from rllm_skyrl.compat.rllm_tracking import add_sinks
+from rllm_skyrl.run_console import TRAINER_OUTPUT, ProgressBar, trainer_output
+from rllm_skyrl.run_log import MetricsSink, read_metrics
 from rllm_skyrl.secret_masking import REDACTED, SecretMasker, redact
 
 SECRET = "sk-live-0123456789abcdef"
@@ -25,14 +26,30 @@ CONFIG = {
 }
 
 
-class TrainerLogger:
-    """What the one run function finds on either trainer: ``logger.log(data, step)``."""
-
+class Recorder:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []
 
-    def log(self, data, step, **kwargs):
+    def log(self, data, step):
         self.logged.append((step, dict(data)))
+
+
+class TrainerLogger:
+    """What the one run function finds on either trainer: rLLM's ``Tracking`` shape, a ``logger``
+    table whose every entry gets each record."""
+
+    def __init__(self) -> None:
+        self.trainers_own = Recorder()
+        self.logger = {"console": self.trainers_own}
+        self.logged = self.trainers_own.logged
+
+    def log(self, data, step, **kwargs):
+        for sink in self.logger.values():
+            sink.log(data=data, step=step)
+
+
+def mirror_logger(tracking, run_dir, resumed_step):
+    add_sinks(tracking, metrics_jsonl=MetricsSink(run_dir, resumed_step))
 
 
 def test_redact_hides_secret_keys_but_keeps_lookalikes():
@@ -75,7 +92,8 @@ def test_a_resumed_run_keeps_the_history_up_to_its_checkpoint_only(tmp_path):
 def test_the_progress_bar_follows_training_records_with_the_live_reward():
     console = io.StringIO()
     trainer_logger = TrainerLogger()
-    bar = show_progress(trainer_logger, console)
+    bar = ProgressBar(console)
+    add_sinks(trainer_logger, progress_bar=bar)
     trainer_logger.log({"val/a/pass@1": 0.0}, 0)  # validation: not a step
     for step in (3, 4, 5):  # a run resumed after step 2 of 5
         trainer_logger.log(
@@ -86,6 +104,15 @@ def test_the_progress_bar_follows_training_records_with_the_live_reward():
     assert "training: 100%" in text and "5/5" in text and "reward=0.500" in text
     assert "0/5" not in text and "2/5" not in text  # the bar starts at the resumed step
     assert len(trainer_logger.logged) == 4
+
+
+def test_a_logger_without_rllms_table_trains_on_without_the_sinks_and_says_so(caplog):
+    trainer_logger = Recorder()
+    with caplog.at_level(logging.WARNING):
+        assert not add_sinks(trainer_logger, metrics_jsonl=Recorder(), progress_bar=Recorder())
+    assert "Recorder has no logger table" in caplog.text and "metrics_jsonl, progress_bar" in caplog.text
+    trainer_logger.log({"reward/mean": 1.0}, 1)
+    assert trainer_logger.logged == [(1, {"reward/mean": 1.0})]
 
 
 def test_the_trainers_output_goes_to_the_run_directory_masked_and_logs_stay(tmp_path, capsys, caplog):

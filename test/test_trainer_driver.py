@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from rllm_skyrl import rllm_api
+from rllm_skyrl.compat.rllm_tracking import add_sinks
 from rllm_skyrl.records import (
     Episode,
     ModelOutput,
@@ -24,7 +25,7 @@ from rllm_skyrl.records import (
     Trajectory,
     TrajectoryGroup,
 )
-from rllm_skyrl.run_log import mirror_logger, read_metrics
+from rllm_skyrl.run_log import MetricsSink, read_metrics
 from rllm_skyrl.standalone import (
     SimpleWorkflow,
     StatefulTaskDataLoader,
@@ -197,7 +198,7 @@ def math_rows(n: int, source: str = "toy") -> list[dict[str, Any]]:
 
 def recorded(trainer: UnifiedTrainer, run_dir) -> UnifiedTrainer:
     """What ``training_run`` attaches to every trainer's logger: ``metrics.jsonl`` in ``run_dir``."""
-    mirror_logger(trainer.logger, run_dir, lambda: None)
+    add_sinks(trainer.logger, metrics_jsonl=MetricsSink(run_dir, lambda: None))
     return trainer
 
 

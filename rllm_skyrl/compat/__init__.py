@@ -206,12 +206,13 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         in_workers=False,
     ),
     PatchSet(
-        "rllm_metrics_file",
+        "rllm_tracking",
         INTEGRATION,
-        "under rLLM's trainer",
-        "rLLM's tracker has no sink for the run's metrics.jsonl; one is added to its loggers",
-        "metrics.jsonl, the plot and the summary under rLLM's trainer",
-        "rLLM: a file logger that keeps a resumed run's history",
+        "every run (the driver), under either trainer",
+        "rLLM's trainer builds its Tracking from logger names and takes no logger object; the "
+        "run's metrics.jsonl and progress bar are added to its table of loggers",
+        "metrics.jsonl, the progress bar, the plot and the summary under rLLM's trainer",
+        "rLLM: let UnifiedTrainer take logger objects",
         {"rllm": (RLLM,)},
         in_workers=False,
     ),

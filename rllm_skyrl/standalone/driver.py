@@ -76,8 +76,22 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, Any]) -> str
     return " | ".join(parts)
 
 
-class ConsoleLogger:
-    """``rllm.trainer.logger``: with ``console``, one short line per record (above any progress bar)."""
+class ConsoleLine:
+    """One short line per record on the console (above any progress bar)."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        tqdm.write(console_line(step, self.total_steps, data))
+
+
+class Tracking:
+    """rLLM's ``Tracking`` for the loggers this trainer has: ``console`` (a line per record).
+
+    Like rLLM's, it hands each record to every entry of its ``logger`` table, which is where a run
+    adds its own sinks (``compat.rllm_tracking``).
+    """
 
     def __init__(self, loggers: str | list[str], total_steps: int) -> None:
         loggers = [loggers] if isinstance(loggers, str) else list(loggers)
@@ -85,12 +99,11 @@ class ConsoleLogger:
             logger.warning(
                 "without rLLM, metrics go to the console and metrics.jsonl only: %s ignored", loggers
             )
-        self.console = "console" in loggers
-        self.total_steps = total_steps
+        self.logger: dict[str, Any] = {"console": ConsoleLine(total_steps)} if "console" in loggers else {}
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
-        if self.console:
-            tqdm.write(console_line(step, self.total_steps, data))
+        for sink in self.logger.values():
+            sink.log(data=data, step=step)
 
 
 class UnifiedTrainer:
@@ -136,7 +149,7 @@ class UnifiedTrainer:
                 shuffle=False,
                 drop_last=False,
             )
-        self.logger = ConsoleLogger(self._get("rllm.trainer.logger", ["console"]), self.total_training_steps)
+        self.logger = Tracking(self._get("rllm.trainer.logger", ["console"]), self.total_training_steps)
         rollout_engine = self.backend.init_rollout_engine(
             cf_config=None,
             transform_config=None,
