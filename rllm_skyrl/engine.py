@@ -86,6 +86,10 @@ def termination_reason(output: ModelOutput) -> str | None:
     return MAX_RESPONSE_LENGTH_EXCEEDED if output.finish_reason == "length" else None
 
 
+# A rollout that asks the same prompt again counts up from here: clear of any task's rollout indices.
+_REPEAT_STRIDE = 2**20
+
+
 def _hashed_seed(material: bytes) -> int:
     """A seed in ``[0, 2**62)``: counting up from it by a request's repeats stays a valid int64."""
     return int.from_bytes(hashlib.sha256(material).digest()[:8], "big") >> 2
@@ -152,7 +156,7 @@ class SkyRLEngine:
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
         self.request_seed = request_seed
-        self._seed_counts: dict[tuple[int, bool, bytes], int] = {}
+        self._seed_counts: dict[tuple[int, bool, bytes, str | None], int] = {}
         self._seed_version: int | None = None
 
     @classmethod
@@ -303,7 +307,7 @@ class SkyRLEngine:
             raise rllm_api.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
         params = self._sampling_params(kwargs, validate)
         if self.request_seed is not None and params.get("seed") is None:
-            params["seed"] = self._derive_seed(prompt, validate)
+            params["seed"] = self._derive_seed(prompt, validate, application_id)
         budget = params.pop("max_tokens")
         client = self._data_client(session_id)
         tokens: list[int] = []
@@ -373,23 +377,33 @@ class SkyRLEngine:
         params["max_tokens"] = min(requested or self.max_response_length, self.max_response_length)
         return params
 
-    def _derive_seed(self, prompt: list[int], validate: bool) -> int:
-        """The ``k``-th request for ``prompt`` at the current weight version gets seed ``base + k``.
+    def _derive_seed(self, prompt: list[int], validate: bool, rollout_id: Any = None) -> int:
+        """A request's seed at the current weight version, the same in every run of the same config.
 
-        Repeats of one task (``rollout.n``) are issued in a fixed order by the workflow engine, so
-        each rollout index maps to the same seed in every run. Consecutive seeds are what one
-        ``sample`` call for n completions carries (completion i gets seed + i, on vLLM as on this
-        package's server), so seeding does not cost the batching of a prompt's repeats.
+        With rLLM's rollout id (``application_id="{task_id}:{rollout_idx}"``, which rLLM's workflows
+        pass), the ``k``-th rollout of a task gets ``base(task, prompt) + k``: whichever order the
+        workflow engine's tasks reach the server in, and even when two tasks share a prompt, each
+        rollout samples what it did in another run. Without one, the ``k``-th request for a prompt
+        gets ``base(prompt) + k`` in arrival order. Consecutive seeds are what one ``sample`` call
+        for n completions carries (completion i gets seed + i, on vLLM as on this package's
+        server), so seeding does not cost the batching of a task's rollouts. The same prompt asked
+        again within one rollout (a repeated turn) counts up from ``base + 2**20``.
         """
         if self._seed_version != self.weight_version:
             self._seed_counts.clear()
             self._seed_version = self.weight_version
         digest = hashlib.sha256(array("q", prompt).tobytes()).digest()
-        key = (self.weight_version, validate, digest)
+        task, _, index = str(rollout_id).rpartition(":") if rollout_id is not None else ("", "", "")
+        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:{task}:".encode() + digest
+        if index.isdigit():
+            key = (self.weight_version, validate, digest, str(rollout_id))
+            repeat = self._seed_counts.get(key, 0)
+            self._seed_counts[key] = repeat + 1
+            return _hashed_seed(material) + int(index) + repeat * _REPEAT_STRIDE
+        key = (self.weight_version, validate, digest, None)
         occurrence = self._seed_counts.get(key, 0)
         self._seed_counts[key] = occurrence + 1
-        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:".encode()
-        return _hashed_seed(material + digest) + occurrence
+        return _hashed_seed(material) + occurrence
 
     def _data_client(self, session_id: Any) -> Any:
         if len(self.data_clients) == 1:
