@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -196,6 +197,29 @@ def report_seeds(by_seed: dict[int, dict[str, dict]], target: float) -> None:
         f"ours {fmt(median('ours', 'target_wall_s'), 's')}; ours/TRL per seed: median "
         f"{fmt(statistics.median(ratios) if ratios else None)}, {sum(r <= 1.0 for r in ratios)} of "
         f"{len(ratios)} at most 1.0"
+    )
+    report_step_gap(by_seed, target)
+
+
+def report_step_gap(by_seed: dict[int, dict[str, dict]], target: float) -> None:
+    """Whether ours learns less per step than TRL: the paired gap in steps to the target, seed by
+    seed, and whether it stands out of the seed-to-seed spread (Welch's t over the two samples)."""
+    pairs = [
+        (sides["trl"]["target_step"], sides["ours"]["target_step"])
+        for sides in by_seed.values()
+        if sides["trl"].get("target_step") is not None and sides["ours"].get("target_step") is not None
+    ]
+    if len(pairs) < 2:
+        return
+    trl, ours = [a for a, _ in pairs], [b for _, b in pairs]
+    gaps = [b - a for a, b in pairs]
+    spread = (statistics.variance(trl) + statistics.variance(ours)) / len(pairs)
+    welch_t = (statistics.mean(ours) - statistics.mean(trl)) / spread**0.5 if spread else math.inf
+    print(
+        f"steps to {target}, ours - TRL per seed: {gaps}; median gap {statistics.median(gaps):+g} steps; "
+        f"TRL {min(trl)}-{max(trl)} (mean {statistics.mean(trl):.1f} +- {statistics.stdev(trl):.1f}), "
+        f"ours {min(ours)}-{max(ours)} (mean {statistics.mean(ours):.1f} +- {statistics.stdev(ours):.1f}); "
+        f"Welch t {welch_t:.2f} (|t| < 2: the gap is within the seed-to-seed spread)"
     )
 
 

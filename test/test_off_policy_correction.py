@@ -18,18 +18,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import compose_unified, run_dirs
+from helpers import compose_run, compose_unified, run_dirs
 from rllm_harness import digit_run, last_mean, requires_rllm
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
-from rllm_skyrl import launcher, off_policy
+from rllm_skyrl import off_policy
 from rllm_skyrl.launcher import main as rllm_skyrl_cli
 from rllm_skyrl.losses import resolve_loss
-from rllm_skyrl.records import Episode, Step, Trajectory
+from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
 from rllm_skyrl.run_config import ConfigError, resolve_run_config
 from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.standalone.workflow import Workflow, task_messages
+from rllm_skyrl.training_run import train
 from rllm_skyrl.workers import SkyRLWorkers
 
 TIS = "rllm.algorithm.rollout_correction.tis_mode"
@@ -205,10 +205,11 @@ class ShiftedLogprobsWorkflow(Workflow):
     """Reports its sampled log-probs shifted by ``SHIFT``; rewards each task's first rollout."""
 
     async def run(self, task, uid, **kwargs):
-        output = await self.rollout_engine.get_model_response(task_messages(task), **kwargs)
+        messages = [{"role": "user", "content": task["question"]}]
+        output = await self.rollout_engine.get_model_response(messages, application_id=uid, **kwargs)
         output.logprobs = [lp + SHIFT for lp in output.logprobs]
         reward = float(uid.endswith(":0"))
-        step = Step(chat_completions=task_messages(task), model_output=output, reward=reward, done=True)
+        step = Step(chat_completions=messages, model_output=output, reward=reward, done=True)
         return Episode(
             id=uid, task=task, trajectories=[Trajectory(name="agent", steps=[step], reward=reward)]
         )
@@ -226,7 +227,7 @@ def shifted_run(root: Path, monkeypatch, *overrides: str) -> tuple[dict, list[tu
             return _original(self, role, *args, **kwargs)
 
         monkeypatch.setattr(SkyRLWorkers, method, recording)
-    cfg = compose_unified(
+    cfg = compose_run(
         *run_dirs(root),
         "rllm.data.train_batch_size=4",
         "training.group_size=2",
@@ -239,7 +240,7 @@ def shifted_run(root: Path, monkeypatch, *overrides: str) -> tuple[dict, list[tu
         *overrides,
     )
     rows = [{"id": f"t{i}", "question": f"what is {i}?"} for i in range(4)]
-    run_dir = launcher.run(cfg, workflow_class=ShiftedLogprobsWorkflow, train_dataset=rows)
+    run_dir = train(cfg, workflow_class=ShiftedLogprobsWorkflow, train_dataset=rows)
     (record,) = [r for r in read_metrics(run_dir) if "progress/batch" in r]
     return record, calls
 
