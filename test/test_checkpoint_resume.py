@@ -32,7 +32,8 @@ from training_runs import (
     wait,
 )
 
-from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointError, CheckpointManager
+from rllm_skyrl.checkpoint import STATE_FILE, CheckpointManager
+from rllm_skyrl.checkpoint_dirs import LATEST, CheckpointError
 from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
