@@ -119,8 +119,6 @@ class RunningBatch:
     def decode_step(self) -> None:
         """Advance every running row by one token; rows that finish leave the batch."""
         batch = self.batch
-        if batch is None:
-            return
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
         out = self.model(
             input_ids=batch.last.unsqueeze(1),

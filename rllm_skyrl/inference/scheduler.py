@@ -254,7 +254,8 @@ class Scheduler:
                     self.lora.activate(rows[0].adapter)
                 if admitted:
                     self._running.admit(admitted)
-                self._running.decode_step()
+                if self._running.rows:
+                    self._running.decode_step()
         except Exception as exc:  # fail the affected requests, keep serving the others
             logger.exception("generation step failed")
             for row in admitted + self._running.rows:
