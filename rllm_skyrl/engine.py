@@ -278,7 +278,9 @@ class SkyRLEngine:
         defaults = self.val_sampling_params if validate else self.train_sampling_params
         params = request_params(defaults, kwargs, self.max_response_length, self._warned_keys)
         if self.request_seed is not None and params.get("seed") is None:
-            params["seed"] = self.seeds.next(self.request_seed, self.weight_version, prompt, validate)
+            params["seed"] = self.seeds.next(
+                self.request_seed, self.weight_version, prompt, validate, application_id
+            )
         budget = params.pop("max_tokens")
         client = self._data_client(session_id)
         tokens: list[int] = []

@@ -72,26 +72,40 @@ def continuation_seed(seed: int, produced: int) -> int:
     return hashed_seed(f"{seed}:{produced}".encode())
 
 
-class RequestSeeds:
-    """The ``k``-th request for a prompt at the current weight version gets seed ``base + k``.
+# A rollout that asks the same prompt again counts up from here: clear of any task's rollout indices.
+REPEAT_STRIDE = 2**20
 
-    Repeats of one task (``rollout.n``) are issued in a fixed order by the workflow engine, so
-    each rollout index maps to the same seed in every run. Consecutive seeds are what one
-    ``sample`` call for n completions carries (completion i gets seed + i, on vLLM as on this
-    package's server), so seeding does not cost the batching of a prompt's repeats.
+
+class RequestSeeds:
+    """A request's seed at the current weight version, the same in every run of the same config.
+
+    With rLLM's rollout id (``application_id="{task_id}:{rollout_idx}"``, which rLLM's workflows
+    pass), the ``k``-th rollout of a task gets ``base(task, prompt) + k``: whichever order the
+    workflow engine's concurrent tasks reach the server in, and even when two tasks share a prompt,
+    each rollout samples what it did in another run. Without one, the ``k``-th request for a prompt
+    gets ``base(prompt) + k`` in arrival order. Consecutive seeds are what one ``sample`` call for
+    n completions carries (completion i gets seed + i, on vLLM as on this package's server), so
+    seeding does not cost the batching of a task's rollouts. The same prompt asked again within
+    one rollout (a repeated turn) counts up from ``base + REPEAT_STRIDE``.
     """
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[int, bool, bytes], int] = {}
+        self._counts: dict[tuple[int, bool, bytes, str | None], int] = {}
         self._version: int | None = None
 
-    def next(self, base_seed: int, weight_version: int, prompt: list[int], validate: bool) -> int:
+    def next(
+        self, base_seed: int, weight_version: int, prompt: list[int], validate: bool, rollout_id: Any = None
+    ) -> int:
         if self._version != weight_version:
             self._counts.clear()
             self._version = weight_version
         digest = hashlib.sha256(array("q", prompt).tobytes()).digest()
-        key = (weight_version, validate, digest)
-        occurrence = self._counts.get(key, 0)
-        self._counts[key] = occurrence + 1
-        material = f"{base_seed}:{weight_version}:{int(validate)}:".encode()
-        return hashed_seed(material + digest) + occurrence
+        task, _, index = str(rollout_id).rpartition(":") if rollout_id is not None else ("", "", "")
+        material = f"{base_seed}:{weight_version}:{int(validate)}:{task}:".encode() + digest
+        indexed = index.isdigit()
+        key = (weight_version, validate, digest, str(rollout_id) if indexed else None)
+        count = self._counts.get(key, 0)
+        self._counts[key] = count + 1
+        if indexed:
+            return hashed_seed(material) + int(index) + count * REPEAT_STRIDE
+        return hashed_seed(material) + count

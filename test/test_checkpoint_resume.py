@@ -194,6 +194,26 @@ def test_request_seeds_depend_on_what_is_asked_not_on_history():
     assert all(0 <= s < 2**63 for s in seeds_a)
 
 
+def test_a_rollouts_seed_follows_its_rollout_id_whatever_order_requests_arrive_in():
+    """rLLM's workflow engine starts a step's rollouts as concurrent tasks: two tasks with the same
+    prompt, rolled out 4 times each, reach the server in any order, and each rollout still gets the
+    seed it gets in another run; a task's rollouts count up from one base (one ``sample`` call)."""
+
+    def seeds(order):
+        request_seeds = RequestSeeds()
+        return {uid: request_seeds.next(7, 0, [5, 6], False, uid) for uid in order}
+
+    uids = [f"{task}:{index}" for task in ("t24", "t28") for index in range(4)]
+    first, shuffled = seeds(uids), seeds(list(reversed(uids[4:])) + uids[2:4] + uids[:2])
+    assert first == shuffled
+    for task in ("t24", "t28"):
+        assert [first[f"{task}:{i}"] - first[f"{task}:0"] for i in range(4)] == [0, 1, 2, 3]
+    assert first["t24:0"] != first["t28:0"]  # the same prompt, another task: its own samples
+    request_seeds = RequestSeeds()
+    again = [request_seeds.next(7, 0, [5, 6], False, "t24:1") for _ in range(2)]
+    assert again[0] == first["t24:1"] and again[1] not in first.values()  # a repeated turn: fresh
+
+
 # ---------------------------------------------------------------------------- unit: backend hooks
 
 

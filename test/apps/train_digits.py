@@ -47,7 +47,7 @@ class LoggedParityWorkflow(Workflow):
     async def run(self, task: dict, uid: str, **kwargs) -> Episode:
         validation = bool(self.rollout_engine.is_validation)
         messages = [{"role": "user", "content": task["question"]}]
-        output = await self.rollout_engine.get_model_response(messages, **kwargs)
+        output = await self.rollout_engine.get_model_response(messages, application_id=uid, **kwargs)
         ids = output.completion_ids
         reward = float(bool(ids) and ids[0] % 2 == 0)
         if os.environ.get("ROLLOUT_LOG"):
