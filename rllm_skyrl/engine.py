@@ -9,13 +9,11 @@ and training. It only ever talks to the client, so the same engine drives the CP
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
 import re
 import zlib
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +21,12 @@ from rllm_skyrl import rllm_api
 from rllm_skyrl.records import ModelOutput
 from rllm_skyrl.request_batching import SampleBatcher
 from rllm_skyrl.rollout_ledger import RolloutLedger
+from rllm_skyrl.rollout_sampling import (
+    DEFAULT_SAMPLING_PARAMS,
+    RequestSeeds,
+    continuation_seed,
+    request_params,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,30 +35,6 @@ MAX_RESPONSE_LENGTH_EXCEEDED = "max_response_length_exceeded"
 # Distinct conversations whose prompt ids are kept (a batch's tasks, with room to spare).
 RENDER_CACHE_SIZE = 4096
 _RENDER_KEY = json.JSONEncoder(sort_keys=True)
-
-# Per-call keyword arguments that become sampling params (vLLM names).
-_SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "min_tokens",
-        "logprobs",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    }
-)
-# Keyword arguments rLLM workflows pass that are not sampling params; consumed or ignored here.
-_WORKFLOW_KEYS = frozenset({"application_id", "session_id", "reasoning_effort"})
-DEFAULT_SAMPLING_PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": 0}
 
 _THINK_END = "</think>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -86,15 +66,6 @@ def termination_reason(output: ModelOutput) -> str | None:
     return MAX_RESPONSE_LENGTH_EXCEEDED if output.finish_reason == "length" else None
 
 
-# A rollout that asks the same prompt again counts up from here: clear of any task's rollout indices.
-_REPEAT_STRIDE = 2**20
-
-
-def _hashed_seed(material: bytes) -> int:
-    """A seed in ``[0, 2**62)``: counting up from it by a request's repeats stays a valid int64."""
-    return int.from_bytes(hashlib.sha256(material).digest()[:8], "big") >> 2
-
-
 class SkyRLEngine:
     """rLLM ``RolloutEngine`` semantics on top of ``RemoteInferenceClient``.
 
@@ -111,7 +82,7 @@ class SkyRLEngine:
     and when in training it is asked, not on server RNG state, so a run resumed from a checkpoint
     samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins. A
     prompt's repeats take consecutive seeds, so they still go to the server as one ``sample`` call
-    (``request_batching``).
+    (``request_batching``; ``rollout_sampling.RequestSeeds``).
     """
 
     def __init__(
@@ -156,8 +127,7 @@ class SkyRLEngine:
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
         self.request_seed = request_seed
-        self._seed_counts: dict[tuple[int, bool, bytes, str | None], int] = {}
-        self._seed_version: int | None = None
+        self.seeds = RequestSeeds()
 
     @classmethod
     def from_urls(
@@ -305,9 +275,12 @@ class SkyRLEngine:
         prompt = list(token_input)
         if enforce and len(prompt) > self.max_prompt_length:
             raise rllm_api.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
-        params = self._sampling_params(kwargs, validate)
+        defaults = self.val_sampling_params if validate else self.train_sampling_params
+        params = request_params(defaults, kwargs, self.max_response_length, self._warned_keys)
         if self.request_seed is not None and params.get("seed") is None:
-            params["seed"] = self._derive_seed(prompt, validate, application_id)
+            params["seed"] = self.seeds.next(
+                self.request_seed, self.weight_version, prompt, validate, application_id
+            )
         budget = params.pop("max_tokens")
         client = self._data_client(session_id)
         tokens: list[int] = []
@@ -315,7 +288,7 @@ class SkyRLEngine:
         while True:
             step_params = {**params, "max_tokens": budget - len(tokens)}
             if tokens and params.get("seed") is not None:  # continuing after an abort: fresh numbers
-                step_params["seed"] = _hashed_seed(f"{params['seed']}:{len(tokens)}".encode())
+                step_params["seed"] = continuation_seed(params["seed"], len(tokens))
             if params.get("min_tokens"):
                 still_needed = params["min_tokens"] - len(tokens)
                 step_params["min_tokens"] = max(0, min(still_needed, step_params["max_tokens"]))
@@ -360,50 +333,6 @@ class SkyRLEngine:
             completion_length=len(token_output.token_ids),
             finish_reason=token_output.finish_reason,
         )
-
-    def _sampling_params(self, kwargs: dict[str, Any], validate: bool) -> dict[str, Any]:
-        params = dict(self.val_sampling_params if validate else self.train_sampling_params)
-        max_tokens, max_new_tokens = kwargs.pop("max_tokens", None), kwargs.pop("max_new_tokens", None)
-        requested = max_tokens or max_new_tokens or params.get("max_tokens")
-        for key, value in kwargs.items():
-            if key in _SAMPLING_KEYS:
-                params[key] = value
-            elif key not in _WORKFLOW_KEYS and key not in self._warned_keys:
-                self._warned_keys.add(key)
-                logger.warning("SkyRLEngine ignores the unknown keyword argument %r", key)
-        if params.get("n", 1) != 1:
-            raise ValueError("n > 1 is not supported per call; run one rollout per sample instead")
-        params.pop("n", None)
-        params["max_tokens"] = min(requested or self.max_response_length, self.max_response_length)
-        return params
-
-    def _derive_seed(self, prompt: list[int], validate: bool, rollout_id: Any = None) -> int:
-        """A request's seed at the current weight version, the same in every run of the same config.
-
-        With rLLM's rollout id (``application_id="{task_id}:{rollout_idx}"``, which rLLM's workflows
-        pass), the ``k``-th rollout of a task gets ``base(task, prompt) + k``: whichever order the
-        workflow engine's tasks reach the server in, and even when two tasks share a prompt, each
-        rollout samples what it did in another run. Without one, the ``k``-th request for a prompt
-        gets ``base(prompt) + k`` in arrival order. Consecutive seeds are what one ``sample`` call
-        for n completions carries (completion i gets seed + i, on vLLM as on this package's
-        server), so seeding does not cost the batching of a task's rollouts. The same prompt asked
-        again within one rollout (a repeated turn) counts up from ``base + 2**20``.
-        """
-        if self._seed_version != self.weight_version:
-            self._seed_counts.clear()
-            self._seed_version = self.weight_version
-        digest = hashlib.sha256(array("q", prompt).tobytes()).digest()
-        task, _, index = str(rollout_id).rpartition(":") if rollout_id is not None else ("", "", "")
-        material = f"{self.request_seed}:{self.weight_version}:{int(validate)}:{task}:".encode() + digest
-        if index.isdigit():
-            key = (self.weight_version, validate, digest, str(rollout_id))
-            repeat = self._seed_counts.get(key, 0)
-            self._seed_counts[key] = repeat + 1
-            return _hashed_seed(material) + int(index) + repeat * _REPEAT_STRIDE
-        key = (self.weight_version, validate, digest, None)
-        occurrence = self._seed_counts.get(key, 0)
-        self._seed_counts[key] = occurrence + 1
-        return _hashed_seed(material) + occurrence
 
     def _data_client(self, session_id: Any) -> Any:
         if len(self.data_clients) == 1:

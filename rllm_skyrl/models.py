@@ -22,12 +22,9 @@ Per-row outputs (``loss_fn_outputs[i][key] = {"data": [...], "dtype": "float32",
 - policy, ``cross_entropy``: ``logprobs``, ``elementwise_loss`` (``-logprob * loss_mask``), both from
   the worker.
 - policy, RL losses (``ppo``, ``importance_sampling``, ``cispo``, ``dppo``): ``logprobs`` from the
-  worker, which returns nothing else per row. ``elementwise_loss`` is recomputed here by SkyRL's
-  registered loss function on the returned logprobs: its result is ``sum(l * loss_mask)`` with a
-  per-token ``l`` that does not depend on the mask, so the gradient of that sum with respect to
-  the mask is exactly ``l`` (one call on ``[B, T]`` tensors, no copy of the formula). The entries
-  sum to the policy loss. It is left out when ``trainer.algorithm.off_policy_correction`` is on,
-  because sequence-level masks and ratios make a token's term depend on the rest of its row.
+  worker, which returns nothing else per row. ``elementwise_loss`` is recomputed on the driver
+  from the returned logprobs (``rllm_skyrl.elementwise_loss``); its entries sum to the policy loss.
+  It is left out where that recomputation is not exact (``trainer.algorithm.off_policy_correction``).
 - critic, ``forward``: ``values``. Critic ``forward_backward``: SkyRL's critic worker returns
   metrics only, so rows come back as empty dicts; call ``forward`` for values.
 - ``forward`` without a loss: ``logprobs`` (policy) or ``values`` (critic), no metrics.
@@ -41,22 +38,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-from omegaconf import OmegaConf
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.tinker.types import ForwardBackwardOutput
 
-from rllm_skyrl.batch_layout import last_tokens, pad_to_multiple, real_rows, right_aligned
+from rllm_skyrl.batch_layout import last_tokens, pad_to_multiple, real_rows
+from rllm_skyrl.elementwise_loss import ElementwisePolicyLoss
 from rllm_skyrl.losses import CRITIC, POLICY, POLICY_LOSS_NAMES, ResolvedLoss, resolve_loss
 
 BASE_MODEL_ID = ""
 MODEL_ROLES = (POLICY, CRITIC)
 
-# SkyRL losses whose per-token term is independent of ``loss_mask`` (see the module docstring).
-_MASK_GRADIENT_LOSSES = ("regular", "importance_sampling", "cispo", "dppo")
 _RL_FIELDS = ("advantages", "action_log_probs")
 _CRITIC_FIELDS = ("values", "returns")
 _MISSING = object()
@@ -87,7 +81,7 @@ class ModelRegistry:
         # there, and the elementwise recomputation must read the same values.
         self._algorithm = {role: copy.deepcopy(workers.cfg.trainer.algorithm) for role in MODEL_ROLES}
         self._critic_value_clip_on_workers = self._algorithm[CRITIC].value_clip
-        self._loss_configs: dict[str, Any] = {}  # see _policy_loss_config
+        self._elementwise = ElementwisePolicyLoss(self._algorithm[POLICY])
         # The loss function SkyRL's policy workers resolved when they were built (``policy_loss_fn``);
         # a later set_algorithm_config of policy_loss_type does not change it.
         self._built_policy_loss = workers.cfg.trainer.algorithm.policy_loss_type
@@ -257,7 +251,7 @@ class ModelRegistry:
         self.workers.set_algorithm_config(role, **settings)
         for key, value in settings.items():
             setattr(algorithm, key, value)
-        self._loss_configs.clear()
+        self._elementwise.forget_configs()
         if role == CRITIC and "value_clip" in settings:
             self._critic_value_clip_on_workers = settings["value_clip"]
 
@@ -325,7 +319,7 @@ class ModelRegistry:
         elif not elementwise_loss:
             elementwise = None
         else:
-            elementwise_BT = self._elementwise_policy_loss(resolved, batch, logprobs)
+            elementwise_BT = self._elementwise.per_token(resolved, batch, logprobs)
             elementwise = None if elementwise_BT is None else elementwise_BT.tolist()
         rows = []
         for i in range(n_real):
@@ -334,51 +328,6 @@ class ModelRegistry:
                 row["elementwise_loss"] = elementwise[i]
             rows.append(row)
         return _tinker_output(out.loss_fn_output_type, rows, metrics, batch)
-
-    def _policy_loss_config(self, resolved: ResolvedLoss) -> Any:
-        """The policy's AlgorithmConfig with ``resolved``'s overrides, None when the elementwise
-        recomputation is not exact for it; kept per override set (merging costs milliseconds a step)."""
-        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (
-            off_policy_correction_enabled,
-        )
-
-        key = f"{resolved.skyrl_loss_name}:{sorted(resolved.skyrl_config.items())!r}"
-        if key not in self._loss_configs:
-            base = self._algorithm[POLICY]
-            merged = OmegaConf.merge(OmegaConf.create(asdict(base)), OmegaConf.create(resolved.skyrl_config))
-            config = type(base).from_dict_config(merged)
-            exact = resolved.skyrl_loss_name in _MASK_GRADIENT_LOSSES and not off_policy_correction_enabled(
-                config.off_policy_correction
-            )
-            self._loss_configs[key] = config if exact else None
-        return self._loss_configs[key]
-
-    def _elementwise_policy_loss(
-        self, resolved: ResolvedLoss, batch: TrainingInputBatch, logprobs: list[list[float]]
-    ) -> torch.Tensor | None:
-        """Each token's term of SkyRL's policy loss (times ``loss_mask``), or None when not exact.
-
-        The worker merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf
-        (``worker.py`` ``_forward_backward_micro``); the same merge is done here.
-        """
-        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
-
-        config = self._policy_loss_config(resolved)
-        if config is None:
-            return None
-        loss_mask_BT = batch["loss_mask"].float()
-        width = loss_mask_BT.shape[1]
-        mask_BT = loss_mask_BT.clone().requires_grad_(True)
-        loss, _ = PolicyLossRegistry.get(resolved.skyrl_loss_name)(
-            right_aligned(logprobs, width),
-            batch["action_log_probs"].float(),
-            batch["advantages"].float(),
-            config=config,
-            loss_mask=mask_BT,
-            rollout_logprobs=batch.get("rollout_logprobs"),
-        )
-        (per_token_BT,) = torch.autograd.grad(loss, mask_BT)
-        return per_token_BT * loss_mask_BT
 
 
 def _tinker_output(

@@ -18,7 +18,8 @@ import ray
 from ray.util import remove_placement_group
 
 from rllm_skyrl import weight_sync
-from rllm_skyrl.checkpoint import CheckpointLock, CheckpointManager, claim_checkpoints
+from rllm_skyrl.checkpoint import CheckpointManager, claim_checkpoints
+from rllm_skyrl.checkpoint_dirs import CheckpointLock
 from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.models import ModelRegistry
 from rllm_skyrl.process_clock import process_started_at

@@ -32,8 +32,9 @@ from training_runs import (
     wait,
 )
 
-from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointError, CheckpointManager
-from rllm_skyrl.engine import SkyRLEngine
+from rllm_skyrl.checkpoint import STATE_FILE, CheckpointManager
+from rllm_skyrl.checkpoint_dirs import LATEST, CheckpointError
+from rllm_skyrl.rollout_sampling import RequestSeeds
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
 # ---------------------------------------------------------------------------- unit: the manager
@@ -182,17 +183,14 @@ def test_resume_restores_the_data_position_and_rng(tmp_path):
 
 
 def test_request_seeds_depend_on_what_is_asked_not_on_history():
-    def engine():
-        return SkyRLEngine(None, None, max_prompt_length=8, max_response_length=8, request_seed=42)
-
-    a, b = engine(), engine()
-    seeds_a = [a._derive_seed([1, 2, 3], False) for _ in range(3)]
+    a, b = RequestSeeds(), RequestSeeds()
+    seeds_a = [a.next(42, 0, [1, 2, 3], False) for _ in range(3)]
     assert len(set(seeds_a)) == 3  # repeats of one prompt sample differently
-    b._derive_seed([9, 9], False)  # other prompts and validation requests do not shift the sequence
-    b._derive_seed([1, 2, 3], True)
-    assert [b._derive_seed([1, 2, 3], False) for _ in range(3)] == seeds_a
-    a.weight_version = b.weight_version = 1  # a new policy version starts fresh, in every run alike
-    assert a._derive_seed([1, 2, 3], False) == b._derive_seed([1, 2, 3], False) not in seeds_a
+    b.next(42, 0, [9, 9], False)  # other prompts and validation requests do not shift the sequence
+    b.next(42, 0, [1, 2, 3], True)
+    assert [b.next(42, 0, [1, 2, 3], False) for _ in range(3)] == seeds_a
+    # a new policy version starts fresh, in every run alike
+    assert a.next(42, 1, [1, 2, 3], False) == b.next(42, 1, [1, 2, 3], False) not in seeds_a
     assert all(0 <= s < 2**63 for s in seeds_a)
 
 
@@ -202,8 +200,8 @@ def test_a_rollouts_seed_follows_its_rollout_id_whatever_order_requests_arrive_i
     seed it gets in another run; a task's rollouts count up from one base (one ``sample`` call)."""
 
     def seeds(order):
-        engine = SkyRLEngine(None, None, max_prompt_length=8, max_response_length=8, request_seed=7)
-        return {uid: engine._derive_seed([5, 6], False, uid) for uid in order}
+        request_seeds = RequestSeeds()
+        return {uid: request_seeds.next(7, 0, [5, 6], False, uid) for uid in order}
 
     uids = [f"{task}:{index}" for task in ("t24", "t28") for index in range(4)]
     first, shuffled = seeds(uids), seeds(list(reversed(uids[4:])) + uids[2:4] + uids[:2])
@@ -211,8 +209,8 @@ def test_a_rollouts_seed_follows_its_rollout_id_whatever_order_requests_arrive_i
     for task in ("t24", "t28"):
         assert [first[f"{task}:{i}"] - first[f"{task}:0"] for i in range(4)] == [0, 1, 2, 3]
     assert first["t24:0"] != first["t28:0"]  # the same prompt, another task: its own samples
-    engine = SkyRLEngine(None, None, max_prompt_length=8, max_response_length=8, request_seed=7)
-    again = [engine._derive_seed([5, 6], False, "t24:1") for _ in range(2)]
+    request_seeds = RequestSeeds()
+    again = [request_seeds.next(7, 0, [5, 6], False, "t24:1") for _ in range(2)]
     assert again[0] == first["t24:1"] and again[1] not in first.values()  # a repeated turn: fresh
 
 

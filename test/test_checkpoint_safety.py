@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rllm_skyrl.checkpoint import LATEST, STATE_FILE, CheckpointError, CheckpointLock, CheckpointManager
+from rllm_skyrl.checkpoint import STATE_FILE, CheckpointManager
+from rllm_skyrl.checkpoint_dirs import LATEST, CheckpointError, CheckpointLock
 
 
 class DiskWorkers:
@@ -39,7 +40,7 @@ def saved(root: Path, step: int = 2) -> CheckpointManager:
 HOLD_LOCK = textwrap.dedent(
     """
     import sys, time
-    from rllm_skyrl.checkpoint import CheckpointLock
+    from rllm_skyrl.checkpoint_dirs import CheckpointLock
     lock = CheckpointLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(120)

@@ -143,7 +143,8 @@ def hold_generation_until_a_control_call(monkeypatch, server, after_steps: int) 
     until a control call (pause, ...) is queued, so that call lands mid-request whatever the
     machine's speed. The returned event is set once the thread holds."""
     scheduler = server.service.scheduler
-    decode = scheduler._decode_step
+    running = scheduler._running
+    decode = running.decode_step
     holding = threading.Event()
     steps = itertools.count(1)
 
@@ -155,7 +156,7 @@ def hold_generation_until_a_control_call(monkeypatch, server, after_steps: int) 
                 queued = scheduler._cv.wait_for(lambda: scheduler._calls or scheduler._stopping, timeout=WAIT)
             assert queued, "no control call reached the server"
 
-    monkeypatch.setattr(scheduler, "_decode_step", gated_decode_step)
+    monkeypatch.setattr(running, "decode_step", gated_decode_step)
     return holding
 
 

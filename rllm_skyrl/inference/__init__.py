@@ -12,7 +12,7 @@ transformers imports before its start-up can begin.
 import importlib
 
 _EXPORTS = {
-    "GenerationResult": "scheduler",
+    "GenerationResult": "generation_request",
     "InferenceServer": "http_server",
     "InferenceService": "served_model",
     "SamplingParams": "sampling",

@@ -16,8 +16,8 @@ from typing import Any
 from rllm_skyrl.inference import checks
 from rllm_skyrl.inference.checks import INT32_MAX
 from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference.generation_request import GenerationResult
 from rllm_skyrl.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from rllm_skyrl.inference.scheduler import GenerationResult
 from rllm_skyrl.inference.served_model import InferenceService
 
 MAX_CHOICES = 128  # n per prompt; each choice is a request of its own in the scheduler

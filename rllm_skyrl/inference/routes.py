@@ -34,9 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rllm_skyrl.inference import checks, openai_api
 from rllm_skyrl.inference.checks import INT64_MAX
 from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference.generation_request import GenerationResult
 from rllm_skyrl.inference.middleware import BodyLimit, LastResortErrors, TokenAuth
 from rllm_skyrl.inference.sampling import SamplingParams
-from rllm_skyrl.inference.scheduler import GenerationResult
 from rllm_skyrl.inference.served_model import InferenceService
 
 MAX_DETOKENIZE = 1 << 20

@@ -2,11 +2,10 @@
 
 A single thread owns the model. Each turn of its loop it runs the queued control calls
 (weight loads, pause, ...), admits waiting requests (one left-padded prefill of their distinct
-prompts, whose KV cache is copied to every row sampling from the same prompt, left-padded again and
-concatenated onto the running batch's), runs one batched decode step, and retires the rows that
-finished. Requests therefore join and leave the batch at token granularity, instead of waiting for
-the slowest member of a static batch. An idle loop lets a burst of requests finish arriving before
-it admits them (``BURST_GAP_S``), so a step's requests share one prefill.
+prompts, merged into the running batch: ``kv_batch``), runs one batched decode step, and retires
+the rows that finished. Requests therefore join and leave the batch at token granularity, instead
+of waiting for the slowest member of a static batch. An idle loop lets a burst of requests finish
+arriving before it admits them (``BURST_GAP_S``), so a step's requests share one prefill.
 
 The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
 and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
@@ -24,15 +23,14 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
 from rllm_skyrl.inference.errors import ApiError
-from rllm_skyrl.inference.sampling import BatchSampler, SampleResult, SamplingParams
+from rllm_skyrl.inference.generation_request import Callback, GenerationRequest, eos_ids
+from rllm_skyrl.inference.kv_batch import RunningBatch
+from rllm_skyrl.inference.sampling import SamplingParams
 from rllm_skyrl.inference.weights import LoraAdapters, WeightsRoot
 
 logger = logging.getLogger(__name__)
@@ -45,71 +43,6 @@ PAUSE_MODES = ("keep", "wait", "abort")
 BURST_GAP_S = 0.002
 BURST_MAX_WAIT_S = 0.02
 COUNTERS = ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running")
-
-
-@dataclass
-class GenerationResult:
-    """What one request produced; ``stop_reason`` is the stop token id or string that ended it."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str  # "stop" | "length" | "abort"
-    stop_reason: int | str | None
-
-
-Callback = Callable[[GenerationResult | BaseException], None]
-
-
-class _Request:
-    """A request's state while it waits or runs; touched only by the generation thread once queued."""
-
-    def __init__(self, seq, prompt_ids, params, adapter, max_new, stop_ids, on_done):
-        self.seq: int = seq
-        self.prompt_ids: list[int] = prompt_ids
-        self.prompt_key: tuple[int, ...] = tuple(prompt_ids)  # rows with equal keys share a prefill
-        self.params: SamplingParams = params
-        self.adapter: str | None = adapter
-        self.max_new: int = max_new
-        self.stop_ids: frozenset[int] = stop_ids
-        self.on_done: Callback = on_done
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
-        self.top: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
-        self.stop_window = max((len(s) for s in params.stop), default=0) + 2
-        self.done = False
-        self.cancelled = False
-
-    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
-        self._deliver(
-            GenerationResult(self.prompt_ids, self.token_ids, self.logprobs, self.top, reason, stop_reason)
-        )
-
-    def fail(self, exc: BaseException) -> None:
-        self._deliver(exc)
-
-    def _deliver(self, outcome: GenerationResult | BaseException) -> None:
-        if self.done:
-            return
-        self.done = True
-        try:
-            self.on_done(outcome)
-        except Exception:  # a broken callback must not take the generation loop down
-            logger.exception("result callback failed for request %d", self.seq)
-
-
-class _Batch:
-    """The running rows: a KV cache over ``[pad | prompt | generated]`` columns plus per-row state."""
-
-    def __init__(self, rows, cache, mask, positions, last, sampler):
-        self.rows: list[_Request] = rows
-        self.cache: DynamicCache = cache
-        self.mask: torch.Tensor = mask  # [B, T] 1 = real token
-        self.positions: torch.Tensor = positions  # [B] position id of the next input token
-        self.last: torch.Tensor = last  # [B] next input token
-        self.sampler: BatchSampler = sampler
 
 
 class Scheduler:
@@ -136,14 +69,13 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.can_merge = can_merge
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.lora = LoraAdapters(model, weights_root or WeightsRoot(None))
         self.weight_version = 0
-        self._rng = torch.Generator().manual_seed(seed)
         self._seq = itertools.count()
         self._cv = threading.Condition()
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[GenerationRequest] = deque()
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._stopping = False
         self._cancel_pending = False
@@ -153,7 +85,9 @@ class Scheduler:
         # reading the counters from another thread never sees the dict change size.
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         # Generation-thread state.
-        self._batch: _Batch | None = None
+        self._running = RunningBatch(
+            model, tokenizer, self.pad_id, torch.Generator().manual_seed(seed), self.counters
+        )
         self._pause: str | None = None
         self._pause_gate = -1  # in "wait" mode, requests with seq <= gate still run
         self._drain_waiters: list[Future] = []
@@ -174,7 +108,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
     def submit(
         self, jobs: list[tuple[list[int], SamplingParams, Callback]], adapter: str | None = None
-    ) -> list[_Request]:
+    ) -> list[GenerationRequest]:
         """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe).
 
         ``on_done`` is called from the generation thread. ``max_tokens`` is capped by the room
@@ -196,13 +130,15 @@ class Scheduler:
                     f"{self.max_waiting}); retry shortly",
                     {"Retry-After": "1"},
                 )
-            requests = [_Request(next(self._seq), p, sp, adapter, m, s, cb) for p, sp, m, s, cb in prepared]
+            requests = [
+                GenerationRequest(next(self._seq), p, sp, adapter, m, s, cb) for p, sp, m, s, cb in prepared
+            ]
             self._waiting.extend(requests)
             self._last_submit = time.monotonic()
             self._cv.notify_all()
         return requests
 
-    def cancel(self, requests: list[_Request]) -> None:
+    def cancel(self, requests: list[GenerationRequest]) -> None:
         """Abort requests nobody waits for any more (thread-safe): they finish with ``"abort"``,
         leaving the queue, or the batch before its next decode step."""
         with self._cv:
@@ -236,11 +172,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running_rows())
 
-    def running_rows(self) -> list[_Request]:
+    def running_rows(self) -> list[GenerationRequest]:
         """Rows still generating. A row's result is delivered (and its caller may read the stats)
         before the batch drops it at the end of the step, so delivered rows are left out here."""
-        batch = self._batch
-        return [r for r in batch.rows if not r.done] if batch is not None else []
+        return [r for r in self._running.rows if not r.done]
 
     # ------------------------------------------------------------------ control plane
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -291,7 +226,7 @@ class Scheduler:
             with self._cv:
                 while not self._has_work():
                     self._cv.wait()
-                if self._batch is None:
+                if not self._running.rows:
                     self._await_burst()
                 if self._stopping:
                     break
@@ -309,7 +244,7 @@ class Scheduler:
 
     def _step(self) -> None:
         """Admit what may join, then advance every running row by one token."""
-        admitted: list[_Request] = []
+        admitted: list[GenerationRequest] = []
         try:
             with torch.inference_mode():
                 admitted = self._take_admissible()
@@ -318,14 +253,14 @@ class Scheduler:
                     # Re-applied every step: an adapter load in between may have switched it.
                     self.lora.activate(rows[0].adapter)
                 if admitted:
-                    self._prefill(admitted)
-                if self._batch is not None:
-                    self._decode_step()
+                    self._running.admit(admitted)
+                if self._running.rows:
+                    self._running.decode_step()
         except Exception as exc:  # fail the affected requests, keep serving the others
             logger.exception("generation step failed")
-            for row in admitted + (self._batch.rows if self._batch is not None else []):
+            for row in admitted + self._running.rows:
                 row.fail(exc)
-            self._batch = None
+            self._running.clear()
 
     def _await_burst(self) -> None:
         """With nothing running, let a burst of requests finish arriving (holding ``_cv``)."""
@@ -342,12 +277,12 @@ class Scheduler:
             return True
         if not self._can_run():
             return False
-        return self._batch is not None or (bool(self._waiting) and self._admissible(self._waiting[0]))
+        return bool(self._running.rows) or (bool(self._waiting) and self._admissible(self._waiting[0]))
 
     def _can_run(self) -> bool:
         return not self.sleeping_tags and self._pause in (None, "wait")
 
-    def _admissible(self, request: _Request) -> bool:
+    def _admissible(self, request: GenerationRequest) -> bool:
         return self._pause is None or request.seq <= self._pause_gate
 
     def _run_call(self, fn: Callable[[], Any], future: Future) -> None:
@@ -359,15 +294,15 @@ class Scheduler:
         except BaseException as exc:
             future.set_exception(exc)
 
-    def _take_admissible(self) -> list[_Request]:
+    def _take_admissible(self) -> list[GenerationRequest]:
         """Pop the waiting requests that may join now: FIFO, same adapter as the running batch,
         within the batch size and the prefill token budget (of distinct prompts: the samples of one
         prompt share its prefill)."""
-        running = self._batch.rows if self._batch is not None else []
+        running = self._running.rows
         if running and not self.can_merge:
             return []
         adapter = running[0].adapter if running else None
-        taken: list[_Request] = []
+        taken: list[GenerationRequest] = []
         prompts: set[tuple[int, ...]] = set()
         longest = 0
         with self._cv:
@@ -393,155 +328,13 @@ class Scheduler:
             return []
         return taken
 
-    def _prefill(self, rows: list[_Request]) -> None:
-        """Run the distinct prompts of ``rows`` as one left-padded batch, copy each prompt's KV cache
-        and last logits to the rows sampling from it, sample their first token, and merge the
-        survivors into the running batch."""
-        distinct: dict[tuple[int, ...], int] = {}
-        source = [distinct.setdefault(r.prompt_key, len(distinct)) for r in rows]
-        width = max(len(prompt) for prompt in distinct)
-        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(distinct), width), dtype=torch.long)
-        for i, prompt in enumerate(distinct):
-            ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        if len(distinct) < len(rows):
-            index = torch.tensor(source)
-            cache = DynamicCache([(k[index], v[index]) for k, v, *_ in cache])
-            mask, positions, logits = mask[index], positions[index], logits[index]
-        self.counters["prefill_tokens"] += int(ids.numel())
-        self.counters["prefills"] += 1
-        sampler = self._sampler(rows)
-        result = sampler.sample(logits.float())
-        new = _Batch(rows, cache, mask, positions[:, -1] + 1, torch.tensor(result.tokens), sampler)
-        keep = self._record(rows, result)
-        if len(keep) < len(rows):
-            new = self._select(new, keep)
-        if new is None:
-            return
-        if self._batch is None:
-            self._batch = new
-            self.counters["peak_running"] = max(self.counters["peak_running"], len(new.rows))
-        else:
-            self._batch = self._merge(self._batch, new)
-
-    def _decode_step(self) -> None:
-        batch = self._batch
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
-        out = self.model(
-            input_ids=batch.last.unsqueeze(1),
-            attention_mask=batch.mask,
-            position_ids=batch.positions.unsqueeze(1),
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
-        self.counters["decode_steps"] += 1
-        result = batch.sampler.sample(out.logits[:, -1, :].float())
-        batch.positions = batch.positions + 1
-        batch.last = torch.tensor(result.tokens)
-        keep = self._record(batch.rows, result)
-        if len(keep) < len(batch.rows):
-            self._batch = self._select(batch, keep)
-
-    def _sampler(self, rows: list[_Request]) -> BatchSampler:
-        return BatchSampler(
-            [r.params for r in rows],
-            [r.generator for r in rows],
-            self._rng,
-            [len(r.token_ids) for r in rows],
-            [r.stop_ids for r in rows],
-        )
-
-    def _record(self, rows: list[_Request], result: SampleResult) -> list[int]:
-        """Append each row's new token, finish the rows that are done; return the rows to keep."""
-        self.counters["tokens"] += len(rows)
-        keep = []
-        for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True)):
-            row.token_ids.append(token)
-            if row.logprobs is not None:
-                row.logprobs.append(result.logprobs[i])
-            if row.top is not None:
-                row.top.append(result.top[i])
-            if token in row.stop_ids:
-                row.finish("stop", token if token in row.params.stop_token_ids else None)
-            elif (stop := self._stop_string(row)) is not None:
-                row.finish("stop", stop)
-            elif len(row.token_ids) >= row.max_new:
-                row.finish("length")
-            else:
-                keep.append(i)
-        return keep
-
-    def _stop_string(self, row: _Request) -> str | None:
-        if not row.params.stop or len(row.token_ids) <= row.params.min_tokens:
-            return None
-        tail = self.tokenizer.decode(
-            row.token_ids[-row.stop_window :], skip_special_tokens=row.params.skip_special_tokens
-        )
-        return next((s for s in row.params.stop if s in tail), None)
-
-    def _select(self, batch: _Batch, keep: list[int]) -> _Batch | None:
-        """Drop finished rows, then the left columns that are padding in every remaining row."""
-        if not keep:
-            return None
-        idx = torch.tensor(keep)
-        mask = batch.mask[idx]
-        start = int(mask.any(dim=0).long().argmax())
-        layers = [(k[idx, :, start:], v[idx, :, start:]) for k, v, *_ in batch.cache]
-        rows = [batch.rows[i] for i in keep]
-        sampler = self._sampler(rows)
-        return _Batch(
-            rows, DynamicCache(layers), mask[:, start:], batch.positions[idx], batch.last[idx], sampler
-        )
-
-    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
-        """Concatenate two batches, left-padding the shorter one's cache and mask."""
-        width = max(a.mask.shape[1], b.mask.shape[1])
-
-        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
-            missing = width - t.shape[-dim_from_end]
-            if not missing:
-                return t
-            return F.pad(t, (0, 0) * (dim_from_end - 1) + (missing, 0))
-
-        layers = [
-            (torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
-            for (ka, va, *_), (kb, vb, *_) in zip(a.cache, b.cache, strict=True)
-        ]
-        rows = a.rows + b.rows
-        self.counters["merges"] += 1
-        self.counters["peak_running"] = max(self.counters["peak_running"], len(rows))
-        sampler = self._sampler(rows)
-        return _Batch(
-            rows,
-            DynamicCache(layers),
-            torch.cat([pad(a.mask, 1), pad(b.mask, 1)]),
-            torch.cat([a.positions, b.positions]),
-            torch.cat([a.last, b.last]),
-            sampler,
-        )
-
     def _drop_cancelled(self) -> None:
         with self._cv:
             self._cancel_pending = False
             gone = [r for r in self._waiting if r.cancelled]
             self._waiting = deque(r for r in self._waiting if not r.cancelled)
-        if self._batch is not None:
-            gone += [r for r in self._batch.rows if r.cancelled]
-            keep = [i for i, r in enumerate(self._batch.rows) if not r.cancelled]
-            if len(keep) < len(self._batch.rows):
-                self._batch = self._select(self._batch, keep)
+        gone += [r for r in self._running.rows if r.cancelled]
+        self._running.keep([i for i, r in enumerate(self._running.rows) if not r.cancelled])
         for request in gone:
             if not request.done:
                 self.counters["cancelled"] += 1
@@ -550,14 +343,13 @@ class Scheduler:
     # ------------------------------------------------------------------ pause helpers
     def _abort_through(self, gate: int) -> None:
         """Finish every request submitted before the pause with ``finish_reason="abort"``."""
-        if self._batch is not None:
-            keep = []
-            for i, row in enumerate(self._batch.rows):
-                if row.seq <= gate:
-                    row.finish("abort")
-                else:
-                    keep.append(i)
-            self._batch = self._select(self._batch, keep)
+        keep = []
+        for i, row in enumerate(self._running.rows):
+            if row.seq <= gate:
+                row.finish("abort")
+            else:
+                keep.append(i)
+        self._running.keep(keep)
         with self._cv:
             doomed = [r for r in self._waiting if r.seq <= gate]
             self._waiting = deque(r for r in self._waiting if r.seq > gate)
@@ -567,7 +359,7 @@ class Scheduler:
     def _drained(self) -> bool:
         with self._cv:
             waiting = any(r.seq <= self._pause_gate for r in self._waiting)
-        return self._batch is None and not waiting
+        return not self._running.rows and not waiting
 
     def _release_drain_waiters(self) -> None:
         for waiter in self._drain_waiters:
@@ -602,16 +394,3 @@ def _chain(outer: Future) -> Future:
 
     outer.add_done_callback(on_outer)
     return done
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
-    """EOS ids from the generation config and the tokenizer (models often list several)."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    for value in (eos, tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)

@@ -18,8 +18,9 @@ import torch
 
 from rllm_skyrl.inference.checks import shown
 from rllm_skyrl.inference.errors import ApiError
+from rllm_skyrl.inference.generation_request import GenerationResult
 from rllm_skyrl.inference.sampling import SamplingParams
-from rllm_skyrl.inference.scheduler import GenerationResult, Scheduler
+from rllm_skyrl.inference.scheduler import Scheduler
 from rllm_skyrl.inference.weights import WeightsRoot, load_full_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rllm_skyrl import checkpoint
+from rllm_skyrl import checkpoint_dirs
 from rllm_skyrl.rllm_names import Episode, Step, TerminationReason, Trajectory, Workflow
 from rllm_skyrl.training_run import train
 
@@ -79,7 +79,7 @@ def hold_save(step: int, marker: Path) -> None:
             os.replace(partial, marker)
             threading.Event().wait()  # until SIGKILL
 
-    checkpoint.before_publish = hold
+    checkpoint_dirs.before_publish = hold
 
 
 @hydra.main(config_path=".", config_name="train_digits", version_base=None)

@@ -1,0 +1,122 @@
+"""A generation request's state while it waits or runs, and when it is done.
+
+Every decode step appends one token (and its logprobs) to each running request. A request
+finishes on a stop token, on a stop string in the decoded tail of what it generated, or when its
+token budget is spent, and delivers its ``GenerationResult`` (or the error that ended it) exactly
+once to its callback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rllm_skyrl.inference.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced; ``stop_reason`` is the stop token id or string that ended it."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: int | str | None
+
+
+Callback = Callable[[GenerationResult | BaseException], None]
+
+
+class GenerationRequest:
+    """A request's state while it waits or runs; touched only by the generation thread once queued."""
+
+    def __init__(
+        self,
+        seq: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        max_new: int,
+        stop_ids: frozenset[int],
+        on_done: Callback,
+    ):
+        self.seq = seq
+        self.prompt_ids = prompt_ids
+        self.prompt_key: tuple[int, ...] = tuple(prompt_ids)  # rows with equal keys share a prefill
+        self.params = params
+        self.adapter = adapter
+        self.max_new = max_new
+        self.stop_ids = stop_ids
+        self.on_done = on_done
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
+        self.top: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
+        self.stop_window = max((len(s) for s in params.stop), default=0) + 2
+        self.done = False
+        self.cancelled = False
+
+    def add_token(
+        self, token: int, logprob: float, top: list[tuple[int, float]] | None, tokenizer: Any
+    ) -> bool:
+        """Append one sampled token and finish the request if it is done; True while it keeps running."""
+        self.token_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
+        if self.top is not None:
+            self.top.append(top)
+        if token in self.stop_ids:
+            self.finish("stop", token if token in self.params.stop_token_ids else None)
+        elif (stop := self._stop_string(tokenizer)) is not None:
+            self.finish("stop", stop)
+        elif len(self.token_ids) >= self.max_new:
+            self.finish("length")
+        else:
+            return True
+        return False
+
+    def _stop_string(self, tokenizer: Any) -> str | None:
+        if not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
+            return None
+        tail = tokenizer.decode(
+            self.token_ids[-self.stop_window :], skip_special_tokens=self.params.skip_special_tokens
+        )
+        return next((s for s in self.params.stop if s in tail), None)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self._deliver(
+            GenerationResult(self.prompt_ids, self.token_ids, self.logprobs, self.top, reason, stop_reason)
+        )
+
+    def fail(self, exc: BaseException) -> None:
+        self._deliver(exc)
+
+    def _deliver(self, outcome: GenerationResult | BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.on_done(outcome)
+        except Exception:  # a broken callback must not take the generation loop down
+            logger.exception("result callback failed for request %d", self.seq)
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config and the tokenizer (models often list several)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

@@ -1,0 +1,203 @@
+"""The running batch: the rows decoding together, their KV cache, and the tensor work on it.
+
+Rows are left-padded: every row's columns are ``[pad | prompt | generated]``, so each row's newest
+token is in the last column and one forward pass advances all of them. A prefill runs the
+distinct prompts of the rows it admits as one batch and copies each prompt's KV cache to every row
+sampling from it; its rows join the running ones by a merge, which left-pads the narrower cache to
+the wider one's width. A finished row leaves by a select, which also drops the left columns that
+only padding is left in.
+
+Which requests run is the scheduler's business: ``RunningBatch`` prefills the rows it is given,
+advances every row by one token a step, records the tokens on the requests, and drops the rows
+that finished. Each batch carries the sampler for its rows, rebuilt whenever the rows change.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from rllm_skyrl.inference.generation_request import GenerationRequest
+from rllm_skyrl.inference.sampling import BatchSampler, SampleResult
+
+
+class KVBatch:
+    """The running rows: a KV cache over ``[pad | prompt | generated]`` columns plus per-row state."""
+
+    def __init__(
+        self,
+        rows: list[GenerationRequest],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        last: torch.Tensor,
+        sampler: BatchSampler,
+    ):
+        self.rows = rows
+        self.cache = cache
+        self.mask = mask  # [B, T] 1 = real token
+        self.positions = positions  # [B] position id of the next input token
+        self.last = last  # [B] next input token
+        self.sampler = sampler
+
+
+class RunningBatch:
+    """The rows decoding together; used on the generation thread only, except ``rows``.
+
+    ``counters`` is the scheduler's: prefills, prefill_tokens, merges, decode_steps, tokens and
+    peak_running are counted here.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        pad_id: int,
+        rng: torch.Generator,
+        counters: Counter[str],
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+        self.rng = rng
+        self.counters = counters
+        self.batch: KVBatch | None = None
+
+    @property
+    def rows(self) -> list[GenerationRequest]:
+        """The batch's rows, including any whose result was delivered this step (safe from any thread)."""
+        batch = self.batch
+        return batch.rows if batch is not None else []
+
+    def admit(self, rows: list[GenerationRequest]) -> None:
+        """Run the distinct prompts of ``rows`` as one left-padded batch, copy each prompt's KV cache
+        and last logits to the rows sampling from it, sample their first token, and merge the
+        survivors into the running batch."""
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(r.prompt_key, len(distinct)) for r in rows]
+        width = max(len(prompt) for prompt in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, prompt in enumerate(distinct):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(rows):
+            index = torch.tensor(source)
+            cache = DynamicCache([(k[index], v[index]) for k, v, *_ in cache])
+            mask, positions, logits = mask[index], positions[index], logits[index]
+        self.counters["prefill_tokens"] += int(ids.numel())
+        self.counters["prefills"] += 1
+        sampler = self._sampler(rows)
+        result = sampler.sample(logits.float())
+        new = KVBatch(rows, cache, mask, positions[:, -1] + 1, torch.tensor(result.tokens), sampler)
+        keep = self._record(rows, result)
+        if len(keep) < len(rows):
+            new = self._select(new, keep)
+        if new is None:
+            return
+        if self.batch is None:
+            self.batch = new
+            self.counters["peak_running"] = max(self.counters["peak_running"], len(new.rows))
+        else:
+            self.batch = self._merge(self.batch, new)
+
+    def decode_step(self) -> None:
+        """Advance every running row by one token; rows that finish leave the batch."""
+        batch = self.batch
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
+        out = self.model(
+            input_ids=batch.last.unsqueeze(1),
+            attention_mask=batch.mask,
+            position_ids=batch.positions.unsqueeze(1),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        self.counters["decode_steps"] += 1
+        result = batch.sampler.sample(out.logits[:, -1, :].float())
+        batch.positions = batch.positions + 1
+        batch.last = torch.tensor(result.tokens)
+        keep = self._record(batch.rows, result)
+        if len(keep) < len(batch.rows):
+            self.batch = self._select(batch, keep)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the rows at the indices ``keep`` (rows the scheduler took out finish there)."""
+        if self.batch is not None and len(keep) < len(self.batch.rows):
+            self.batch = self._select(self.batch, keep)
+
+    def clear(self) -> None:
+        self.batch = None
+
+    def _sampler(self, rows: list[GenerationRequest]) -> BatchSampler:
+        return BatchSampler(
+            [r.params for r in rows],
+            [r.generator for r in rows],
+            self.rng,
+            [len(r.token_ids) for r in rows],
+            [r.stop_ids for r in rows],
+        )
+
+    def _record(self, rows: list[GenerationRequest], result: SampleResult) -> list[int]:
+        """Append each row's new token, finish the rows that are done; return the rows to keep."""
+        self.counters["tokens"] += len(rows)
+        return [
+            i
+            for i, (row, token) in enumerate(zip(rows, result.tokens, strict=True))
+            if row.add_token(token, result.logprobs[i], result.top[i] if result.top else None, self.tokenizer)
+        ]
+
+    def _select(self, batch: KVBatch, keep: list[int]) -> KVBatch | None:
+        """Drop finished rows, then the left columns that are padding in every remaining row."""
+        if not keep:
+            return None
+        idx = torch.tensor(keep)
+        mask = batch.mask[idx]
+        start = int(mask.any(dim=0).long().argmax())
+        layers = [(k[idx, :, start:], v[idx, :, start:]) for k, v, *_ in batch.cache]
+        rows = [batch.rows[i] for i in keep]
+        sampler = self._sampler(rows)
+        return KVBatch(
+            rows, DynamicCache(layers), mask[:, start:], batch.positions[idx], batch.last[idx], sampler
+        )
+
+    def _merge(self, a: KVBatch, b: KVBatch) -> KVBatch:
+        """Concatenate two batches, left-padding the shorter one's cache and mask."""
+        width = max(a.mask.shape[1], b.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            missing = width - t.shape[-dim_from_end]
+            if not missing:
+                return t
+            return F.pad(t, (0, 0) * (dim_from_end - 1) + (missing, 0))
+
+        layers = [
+            (torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
+            for (ka, va, *_), (kb, vb, *_) in zip(a.cache, b.cache, strict=True)
+        ]
+        rows = a.rows + b.rows
+        self.counters["merges"] += 1
+        self.counters["peak_running"] = max(self.counters["peak_running"], len(rows))
+        sampler = self._sampler(rows)
+        return KVBatch(
+            rows,
+            DynamicCache(layers),
+            torch.cat([pad(a.mask, 1), pad(b.mask, 1)]),
+            torch.cat([a.positions, b.positions]),
+            torch.cat([a.last, b.last]),
+            sampler,
+        )
