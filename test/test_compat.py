@@ -21,7 +21,6 @@ from rllm_skyrl.compat import (
     lazy_imports,
     registries,
     response_logits,
-    single_rank_reductions,
     tied_embeddings,
 )
 from rllm_skyrl.compat import transformers_import_cache as import_cache
@@ -36,7 +35,6 @@ CPU_SETS = (
     "cpu",
     "tied_embeddings",
     "response_logits",
-    "single_rank_reductions",
 )
 
 
@@ -122,7 +120,7 @@ def test_a_speed_set_on_an_unverified_version_is_skipped_with_one_warning(fresh_
         second = compat.usable(CPU_SETS)
     assert first == second == ["transformers_import_cache", "flash_attn_stub", "cpu", "tied_embeddings"]
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
-    assert len(skipped) == 4  # lazy_imports, registries, response_logits, single_rank_reductions: once each
+    assert len(skipped) == 3  # lazy_imports, registries, response_logits: once each
     assert any("'response_logits'" in m and "skyrl 0.4.1" in m and "skyrl 0.4.0" in m for m in skipped)
     env = compat.ray_runtime_env(Platform(cuda=False))
     assert env["env_vars"][compat.ENV_VAR] == "transformers_import_cache,flash_attn_stub,cpu,tied_embeddings"
@@ -200,8 +198,7 @@ def test_every_set_states_why_what_it_gains_and_is_verified_here():
     + flash_attn.PATCHES
     + cpu.PATCHES
     + tied_embeddings.PATCHES
-    + response_logits.PATCHES
-    + single_rank_reductions.PATCHES,
+    + response_logits.PATCHES,
     ids=lambda p: p.name,
 )
 def test_the_verified_skyrl_still_has_what_each_patch_changes(patch):
@@ -262,7 +259,7 @@ def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict,
     return json.loads(result.stdout.strip().splitlines()[-1]), records, result.stdout + result.stderr
 
 
-SKIPPED_ON_ANOTHER_SKYRL = ("lazy_imports", "registries", "response_logits", "single_rank_reductions")
+SKIPPED_ON_ANOTHER_SKYRL = ("lazy_imports", "registries", "response_logits")
 
 
 def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(tmp_path):

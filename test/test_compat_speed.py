@@ -14,44 +14,6 @@ from helpers import run_python
 from rllm_skyrl.compat import registries
 from rllm_skyrl.compat import transformers_import_cache as import_cache
 
-# --------------------------------------------------------------------------- single-rank reductions
-
-
-def test_a_single_rank_reduces_without_a_collective_and_to_the_same_values():
-    program = """
-        import json, tempfile
-        import torch
-        import torch.distributed as dist
-        from rllm_skyrl import compat
-        compat.apply(["flash_attn_stub", "cpu"])  # as in a CPU worker
-        from skyrl.backends.skyrl_train.distributed.strategy import DistributedStrategy
-        class Strategy:  # SkyRL's method (patched or not, as it is now) on a strategy of world_size ranks
-            def __init__(self, world_size):
-                self.world_size = world_size
-            def all_reduce(self, *args, **kwargs):
-                return DistributedStrategy.all_reduce(self, *args, **kwargs)
-        rendezvous = tempfile.mktemp()
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
-        metrics = {"loss": 0.1, "clip_ratio": 1 / 3, "tokens": 7}
-        alone, pair = Strategy(1), Strategy(2)
-        skyrl = {op: alone.all_reduce(metrics, op) for op in ("mean", "max", "sum")}
-        compat.apply(["single_rank_reductions"])
-        collectives = []
-        real_all_reduce = dist.all_reduce
-        dist.all_reduce = lambda *args, **kwargs: collectives.append(1) or real_all_reduce(*args, **kwargs)
-        ours = {op: alone.all_reduce(metrics, op) for op in ("mean", "max", "sum")}
-        tensor = torch.tensor([0.25, 0.5])
-        same_tensor = alone.all_reduce(tensor, "sum") is tensor
-        alone_collectives = len(collectives)
-        pair.all_reduce(2.0, "mean")  # two ranks: SkyRL's own path (one rank is up: a world of 1)
-        print(json.dumps({"skyrl": skyrl, "ours": ours, "same_tensor": same_tensor,
-                          "alone": alone_collectives, "pair": len(collectives) - alone_collectives}))
-    """
-    outcome = run_python(program)
-    assert outcome["ours"] == outcome["skyrl"] and outcome["skyrl"]["mean"]["clip_ratio"] != 1 / 3
-    assert outcome["same_tensor"] and outcome["alone"] == 0 and outcome["pair"] == 1
-
-
 # --------------------------------------------------------------------------- transformers' import tables
 
 

@@ -162,17 +162,6 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         when=_cpu,
     ),
     PatchSet(
-        "single_rank_reductions",
-        SPEED,
-        "CPU",
-        "SkyRL all-reduces every metric of every update with one collective each, also over a "
-        "data-parallel group of one rank",
-        "training step: see README",
-        "SkyRL: skip all_reduce when the group has one rank",
-        {"skyrl": (SKYRL,), "torch": (TORCH,)},
-        when=_cpu,
-    ),
-    PatchSet(
         "local_ray",
         SPEED,
         "CPU, no Ray cluster named or running",
