@@ -90,7 +90,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU",
         "transformers rebuilds two tables of what is installed in every process that imports it; "
         "they are read from a file per environment instead",
-        "start-up: see README",
+        "quickstart start-up 12.1 s without, 10.5 s with (1.16x)",
         "transformers: build the tables lazily or keep them per environment",
         {"transformers": (TRANSFORMERS,)},
         when=_cpu,
@@ -101,7 +101,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU",
         "wandb, datasets and pandas, which SkyRL's modules import at their top and a training "
         "worker never uses, run on first use",
-        "start-up: see README",
+        "quickstart start-up 11.7 s without, 10.5 s with (1.12x)",
         "SkyRL: import wandb, transformers.trainer and skyrl_gym's SQL tool where they are used",
         {"skyrl": (SKYRL,), "transformers": (TRANSFORMERS,)},
         when=_cpu,
@@ -112,7 +112,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU",
         "SkyRL's loss and advantage-estimator registries live in Ray's key-value store instead of "
         "two named actors (two worker processes)",
-        "start-up: see README",
+        "quickstart start-up 19.3 s without, 10.5 s with (1.84x): two worker processes fewer",
         "SkyRL: keep the registries in Ray's internal key-value store",
         {"skyrl": (SKYRL,), "ray": (RAY,)},
         when=_cpu,
@@ -156,7 +156,8 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU",
         "SkyRL's forward runs the LM head, log-softmax and entropy at every position, prompt "
         "included; here over the response window only, and a prompt's samples as one packed row",
-        "training step: see README",
+        "quickstart step 0.266 s without, 0.183 s with (1.45x); "
+        "SmolLM2 step 69.9 s without, 57.3 s with (1.22x)",
         "SkyRL: logits_to_keep in HFModelWrapper.forward (helps GPUs too)",
         {"skyrl": (SKYRL,), "transformers": (TRANSFORMERS,), "torch": (TORCH,)},
         when=_cpu,
@@ -167,7 +168,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU, no Ray cluster named or running",
         "ray.init starts a dashboard head, an autoscaler monitor and a log monitor a run does not "
         "use (two of them serve metrics without authentication); the run's own head starts without",
-        "start-up: see README; no unauthenticated metrics ports",
+        "quickstart start-up 14.0 s without, 10.5 s with (1.34x); no unauthenticated metrics ports",
         "Ray: a flag to start a head node without dashboard head and monitors",
         {"ray": (RAY,)},
         in_workers=False,
