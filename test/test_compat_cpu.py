@@ -117,7 +117,7 @@ def test_patches_are_applied_inside_ray_workers():
             "hook": os.environ.get(compat.ENV_VAR),
             "applied": worker_cpu.is_applied(),
             "response_logits": getattr(HFModelWrapper.forward, "_rllm_skyrl_patched", False),
-            "reductions": getattr(DistributedStrategy.all_reduce, "_rllm_skyrl_patched", False),
+            "skyrls_all_reduce": not getattr(DistributedStrategy.all_reduce, "_rllm_skyrl_patched", False),
             "device": str(t.cuda.current_device()),
             "flash_attn": "flash_attn" in sys.modules,
             "gpu_ids": ray.get_gpu_ids(),
@@ -126,7 +126,7 @@ def test_patches_are_applied_inside_ray_workers():
 
     result = ray.get(probe.remote())
     assert result["hook"] == ",".join(compat.for_platform(Platform(cuda=False)))
-    assert result["applied"] and result["response_logits"] and result["reductions"]
+    assert result["applied"] and result["response_logits"] and result["skyrls_all_reduce"]
     assert result["device"] == "cpu" and result["flash_attn"]
     assert len(result["gpu_ids"]) == 1  # logical GPUs gate scheduling like real ones
     assert result["niceness"] == os.nice(0)  # the training workers run at the driver's priority
