@@ -10,7 +10,6 @@ bar, the log's warnings and errors, and the summary.
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
@@ -20,25 +19,11 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.secret_masking import MaskedStream
 
 logger = logging.getLogger(__name__)
 
 TRAINER_OUTPUT = "trainer_output.log"
-
-
-class _MaskedFile(io.TextIOBase):
-    """A text file that masks the run's secrets in what is written to it."""
-
-    def __init__(self, file: TextIO, masker: Any) -> None:
-        self._file = file
-        self._masker = masker
-
-    def write(self, text: str) -> int:
-        self._file.write(self._masker.mask(text))
-        return len(text)
-
-    def flush(self) -> None:
-        self._file.flush()
 
 
 @contextmanager
@@ -54,7 +39,7 @@ def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterat
     path = Path(run_dir) / TRAINER_OUTPUT
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as file:
-        stream = _MaskedFile(file, masker)
+        stream = MaskedStream(file, masker)
         with redirect_stdout(stream), redirect_stderr(stream):  # type: ignore[type-var]
             yield
 

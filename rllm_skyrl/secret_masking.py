@@ -11,12 +11,13 @@ and Hydra's ``.hydra/*.yaml`` and ``multirun.yaml`` files.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = {
@@ -193,3 +194,32 @@ def _redact_yaml_line(line: str) -> str:
         return line
     newline = "\n" if line.endswith("\n") else ""
     return f"{match.group(1)}{match.group(2)}{match.group(3)}{REDACTED}{newline}"
+
+
+class MaskedStream(io.TextIOBase):
+    """A text stream (the console, a log file) that masks secrets in whatever passes through it,
+    tqdm's bar included."""
+
+    def __init__(self, stream: TextIO, masker: SecretMasker) -> None:
+        self._stream = stream
+        self._masker = masker
+
+    def write(self, text: str) -> int:
+        self._stream.write(self._masker.mask(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stream, "encoding", "utf-8")
+
+    def __getattr__(self, name: str) -> Any:  # anything else (``buffer``, ``errors``...) is the stream's
+        return getattr(self._stream, name)

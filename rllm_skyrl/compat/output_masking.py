@@ -8,42 +8,13 @@ learns a new secret (a server token) hands it to ``mask``.
 
 from __future__ import annotations
 
-import io
 import logging
 import sys
 from collections.abc import Iterable
-from typing import Any, TextIO
+from typing import Any
 
 from rllm_skyrl import compat
-from rllm_skyrl.secret_masking import MASKER, SecretMasker, secret_values
-
-
-class _MaskedStream(io.TextIOBase):
-    """A console stream that masks secrets in whatever passes through it (tqdm's bar included)."""
-
-    def __init__(self, stream: TextIO, masker: SecretMasker) -> None:
-        self._stream = stream
-        self._masker = masker
-
-    def write(self, text: str) -> int:
-        self._stream.write(self._masker.mask(text))
-        return len(text)
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def isatty(self) -> bool:
-        return self._stream.isatty()
-
-    def fileno(self) -> int:
-        return self._stream.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self._stream, "encoding", "utf-8")
-
-    def __getattr__(self, name: str) -> Any:  # anything else (``buffer``, ``errors``...) is the stream's
-        return getattr(self._stream, name)
+from rllm_skyrl.secret_masking import MASKER, MaskedStream, SecretMasker, secret_values
 
 
 def _cover_log_handlers() -> None:
@@ -60,8 +31,8 @@ def apply() -> None:
     """Hook ``MASKER`` into the console streams, uncaught tracebacks, logging and loguru."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
-        if not isinstance(stream, _MaskedStream):
-            setattr(sys, name, _MaskedStream(stream, MASKER))
+        if not isinstance(stream, MaskedStream):
+            setattr(sys, name, MaskedStream(stream, MASKER))
     original = sys.excepthook
 
     def excepthook(kind, value, traceback) -> None:
