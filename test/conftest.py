@@ -69,6 +69,13 @@ def ray_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def slow_selected(request) -> bool:
+    """Whether this session runs the slow tests too (CI, ``RLLM_SKYRL_SLOW=1``): a run shared by a
+    fast and a slow test is then made long enough for both, once."""
+    return "not slow" not in (request.config.getoption("markexpr") or "")
+
+
+@pytest.fixture(scope="session")
 def digits_runs(tmp_path_factory):
     """Three real training runs (straight / killed mid-save / resumed), see training_runs.py."""
     from training_runs import shared_digits_runs

@@ -260,22 +260,31 @@ def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict,
 
 
 SKIPPED_ON_ANOTHER_SKYRL = ("lazy_imports", "registries", "response_logits")
+LEARNING_STEPS = 150
 
 
-def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(tmp_path):
+@pytest.fixture(scope="module")
+def unverified_skyrl_run(tmp_path_factory, slow_selected):
+    """One quickstart on the pretended SkyRL: 3 steps, or long enough to learn when the slow test runs."""
+    steps = LEARNING_STEPS if slow_selected else 3
+    return quickstart_on_an_unverified_skyrl(tmp_path_factory.mktemp("unverified"), steps=steps)
+
+
+def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(unverified_skyrl_run):
     """Each SkyRL speed set is skipped with one warning; the trainer then runs SkyRL's own forward,
     whose log-probs still match the server's."""
-    outcome, records, output = quickstart_on_an_unverified_skyrl(tmp_path, steps=3)
+    outcome, records, output = unverified_skyrl_run
     assert not set(SKIPPED_ON_ANOTHER_SKYRL) & set(outcome["applied"])
     assert {"cpu", "flash_attn_stub", "tied_embeddings"} <= set(outcome["applied"])
     for name in SKIPPED_ON_ANOTHER_SKYRL:
         assert output.count(f"patch set '{name}' was verified on") == 1, (name, output[-3000:])
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)) and len(records) >= 3
     assert max(r["train/logprob_abs_diff/max"] for r in records) < 1e-3
 
 
 @pytest.mark.slow
-def test_the_quickstart_learns_on_an_unverified_skyrl(tmp_path):
-    _, records, _ = quickstart_on_an_unverified_skyrl(tmp_path, steps=150)
+def test_the_quickstart_learns_on_an_unverified_skyrl(unverified_skyrl_run):
+    _, records, _ = unverified_skyrl_run
     rewards = [r["reward/mean"] for r in records]
+    assert len(rewards) == LEARNING_STEPS
     assert sum(rewards[:10]) / 10 <= 0.3 and sum(rewards[-10:]) / 10 >= 0.8, rewards

@@ -39,11 +39,21 @@ def _wait_for(predicate, process: subprocess.Popen, run: Run, what: str, timeout
     return found
 
 
+@pytest.fixture(scope="module")
+def clean_task_ids(tmp_path_factory) -> dict[int, list]:
+    """The task ids of every step of a run that never failed, shared by the faults below."""
+    tmp_path = tmp_path_factory.mktemp("clean")
+    clean = Run(tmp_path / "run", tmp_path / "clean.out", tmp_path / "clean.jsonl")
+    wait(clean, launch(clean, OVERRIDES, train_env(clean.run_dir)), time.monotonic())
+    assert_ok(clean)
+    return train_task_ids_by_step(clean.rollouts())
+
+
 def _fail_then_resume(
-    tmp_path: Path, run_dir: Path, fault, expected: str, ckpt: Path, before_resume=None
+    tmp_path: Path, run_dir: Path, fault, expected: str, ckpt: Path, reference: dict, before_resume=None
 ) -> None:
     """Launch, let ``fault(process, run)`` strike, check the failure, resume and compare with a run
-    that never failed (same data, same order)."""
+    that never failed (``reference``: same data, same order)."""
     first = Run(run_dir, tmp_path / "first.out", tmp_path / "first.jsonl")
     env = train_env(run_dir)
     process = launch(first, OVERRIDES, env)
@@ -70,10 +80,6 @@ def _fail_then_resume(
     steps = [r["progress/batch"] for r in again.metrics() if "progress/batch" in r]
     assert steps == list(range(1, STEPS + 1))
     # The same data, in the same order, as a run that never failed.
-    clean = Run(tmp_path / "clean", tmp_path / "clean.out", tmp_path / "clean.jsonl")
-    wait(clean, launch(clean, OVERRIDES, train_env(clean.run_dir)), time.monotonic())
-    assert_ok(clean)
-    reference = train_task_ids_by_step(clean.rollouts())
     resumed = train_task_ids_by_step(again.rollouts())
     assert sorted(resumed) == list(range(resumed_after + 1, STEPS + 1))
     assert all(resumed[step] == reference[step] for step in resumed)
@@ -84,7 +90,7 @@ def _server_processes(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.timeout(1800)
-def test_inference_server_killed_mid_rollout(tmp_path):
+def test_inference_server_killed_mid_rollout(tmp_path, clean_task_ids):
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
 
@@ -95,11 +101,11 @@ def test_inference_server_killed_mid_rollout(tmp_path):
         server.kill()
         return tree
 
-    _fail_then_resume(tmp_path, run_dir, kill_server, "inference server 0", ckpt)
+    _fail_then_resume(tmp_path, run_dir, kill_server, "inference server 0", ckpt, clean_task_ids)
 
 
 @pytest.mark.timeout(1800)
-def test_checkpoint_disk_full_mid_save(tmp_path):
+def test_checkpoint_disk_full_mid_save(tmp_path, clean_task_ids):
     """The checkpoint directory on a tmpfs with room for about one checkpoint (1.6 MB each)."""
     run_dir = tmp_path / "run"
     ckpt = run_dir / "checkpoints"
@@ -115,6 +121,7 @@ def test_checkpoint_disk_full_mid_save(tmp_path):
             lambda process, run: descendants(process.pid),  # the fault is the disk itself
             "is full",
             ckpt,
+            clean_task_ids,
             before_resume=lambda: subprocess.run(["mount", "-o", "remount,size=256m", str(ckpt)], check=True),
         )
         assert not [p for p in ckpt.iterdir() if p.name.startswith(".tmp_")]  # no half-written save left
