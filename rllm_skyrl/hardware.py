@@ -31,8 +31,6 @@ from typing import Any
 # size 2 each. They only gate scheduling; nothing runs on them.
 CPU_LOGICAL_GPUS = 8
 
-SERVER_KINDS = ("external", "skyrl_vllm", "cpu_transformers")
-SYNC_METHODS = ("skyrl", "disk", "lora")
 # The machine has no NVIDIA driver when none of these exist; torch then sees no CUDA device.
 NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 

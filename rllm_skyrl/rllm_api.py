@@ -95,15 +95,6 @@ def task_field(task: Any, name: str) -> Any:
     return (getattr(task, "metadata", None) or {}).get(name)
 
 
-def is_rllm_workflow(workflow_cls: type) -> bool:
-    """Whether a workflow class is an rLLM ``Workflow`` (run through its own termination handling)."""
-    if not installed():
-        return False
-    from rllm.workflows.workflow import Workflow
-
-    return isinstance(workflow_cls, type) and issubclass(workflow_cls, Workflow)
-
-
 def is_rllm_algorithm_config(algorithm_config: Any) -> bool:
     """Whether the trainer handed us rLLM's ``AlgorithmConfig`` (so rLLM's estimators apply)."""
     return installed() and type(algorithm_config).__module__.startswith("rllm.")

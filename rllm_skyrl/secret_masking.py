@@ -131,14 +131,6 @@ class SecretMasker(logging.Filter):
             return [self.mask_tree(v) for v in value]
         return self.mask(value) if isinstance(value, str) else value
 
-    def mask_argv(self, argv: Iterable[str]) -> list[str]:
-        """``key=value`` arguments with a secret key lose their value; known values are masked."""
-        out = []
-        for arg in argv:
-            key, eq, _ = arg.partition("=")
-            out.append(f"{key}={REDACTED}" if eq and is_secret_key(key.split(".")[-1]) else self.mask(arg))
-        return out
-
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         masked = self.mask(message)
