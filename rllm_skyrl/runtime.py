@@ -26,9 +26,22 @@ from rllm_skyrl.process_clock import process_started_at
 from rllm_skyrl.ray_cluster import start_ray, stop_ray
 from rllm_skyrl.rollout_servers import ServerGroup, start_servers
 from rllm_skyrl.run_config import RunConfig
-from rllm_skyrl.workers import SkyRLWorkers, load_tokenizer
+from rllm_skyrl.workers import SkyRLWorkers
 
 logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path: str):
+    """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:  # any id works as padding: masks hide it
+        logger.warning(
+            "tokenizer of %s has no pad token; padding with eos %r", model_path, tokenizer.eos_token
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 class Runtime:

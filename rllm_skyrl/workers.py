@@ -9,33 +9,16 @@ shutdown that leaves no actor behind.
 
 from __future__ import annotations
 
-import logging
-
 import ray
 
 from rllm_skyrl import compat
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import roles_for
 
-logger = logging.getLogger(__name__)
-
 ROLES = ("policy", "critic", "ref")
 # Share of a GPU each colocated actor asks Ray for, as SkyRL's trainer does (vLLM's actors take
 # the same): the bundles of the shared placement group hold trainer and server actors together.
 COLOCATED_GPU_SHARE = 0.2
-
-
-def load_tokenizer(model_path: str):
-    """The model's tokenizer; rows are left-padded, so one without a pad token pads with eos."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token_id is None:  # any id works as padding: masks hide it
-        logger.warning(
-            "tokenizer of %s has no pad token; padding with eos %r", model_path, tokenizer.eos_token
-        )
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 class SkyRLWorkers:
