@@ -6,7 +6,8 @@
   the old ones, so the weight compares the trainer with the sampler (never exactly 1).
 - Through SkyRL's workers on CPU: a workflow reports its sampled log-probs shifted by ``SHIFT``, so
   every token's true weight is ``exp(-SHIFT)``; the metrics must say so in both bypass modes.
-- (slow) A fully-async run with stale rollouts and TIS learns the digit task.
+- (slow) A fully-async run with stale rollouts and TIS learns the digit task, syncing once per update
+  while rollouts go on (rLLM's fully-async learning run).
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import compose_run, compose_unified, run_dirs
-from rllm_harness import digit_run, last_mean, requires_rllm
+from rllm_harness import (
+    DIGITS,
+    digit_reward,
+    digit_rows,
+    last_mean,
+    requests_during,
+    requires_rllm,
+    rllm_config,
+    run_rllm,
+    syncs_by_hook,
+)
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
@@ -281,9 +292,15 @@ def test_fully_async_with_stale_rollouts_and_tis_learns_the_digit_task(tmp_path)
     """rLLM's fully-async mode lets rollouts run up to half a step ahead of the weights
     (``staleness_threshold=0.5``); TIS in bypass mode (the default) weighs each token by
     ``min(pi_trainer / pi_sampler, 2)``. The run learns, and its weights are not all 1: the
-    rollouts really were off-policy and the correction really weighed them."""
-    records = digit_run(
+    rollouts really were off-policy and the correction really weighed them. It is also the
+    fully-async learning run of rLLM's contract: one weight sync per update (in
+    ``on_policy_updated``), with rollouts going on while the workers train."""
+    from rllm.workflows.simple_workflow import SimpleWorkflow
+
+    cfg = rllm_config(
         tmp_path,
+        *DIGITS,
+        "rllm.trainer.test_freq=0",
         "training.group_size=32",
         "validation.group_size=4",
         "data.train_batch_size=16",
@@ -296,8 +313,13 @@ def test_fully_async_with_stale_rollouts_and_tis_learns_the_digit_task(tmp_path)
         "rllm.workflow.raise_on_error=false",
         f"{TIS}=token",
     )
+    backend = run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
+    records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     assert last_mean(records[:10], "reward/mean") <= 0.3
     assert last_mean(records, "reward/mean") >= 0.8
+    updates = [shape["weight_version"] for name, shape in backend.calls if name == "on_policy_updated"]
+    assert syncs_by_hook(backend) == {"on_policy_updated": updates}
+    assert requests_during(backend) > 0
     stale = [r for r in records if r["async/staleness_max"] > 0]
     assert len(stale) >= len(records) // 2, "the rollouts ran ahead of the weights"
     # Under the sampler a weight's expectation is 1, so its mean stays near 1; the spread shows

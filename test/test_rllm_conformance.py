@@ -1,7 +1,8 @@
 """The real rLLM drives the backend: its config, ``UnifiedTrainer``, ``AgentTrainer``, workflows and data.
 
 Every run here composes rLLM's packaged ``unified`` config with ``rllm/backend=skyrl`` and trains the
-tiny model through SkyRL's workers on CPU. Learning curves (on-policy and fully-async) are ``slow``.
+tiny model through SkyRL's workers on CPU. The on-policy learning curve is ``slow``; the fully-async one,
+with stale rollouts and TIS, is in test_off_policy_correction.py.
 """
 
 from __future__ import annotations
@@ -417,27 +418,4 @@ def test_on_policy_learns_the_digit_task(tmp_path):
     run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
     records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     assert last_mean(records[:10], "reward/mean") <= 0.3
-    assert last_mean(records, "reward/mean") >= 0.8
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_fully_async_learns_the_digit_task(tmp_path):
-    from rllm.workflows.simple_workflow import SimpleWorkflow
-
-    cfg = rllm_config(
-        tmp_path,
-        *_learning_overrides(
-            "rllm.trainer.total_batches=171",
-            "rllm.async_training.enable=true",
-            "rllm.async_training.mini_batch_size=16",
-            "rllm.async_training.fwd_bwd_group_size=4",
-            "rllm.workflow.raise_on_error=false",
-        ),
-    )
-    backend = run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
-    updates = [shape["weight_version"] for name, shape in backend.calls if name == "on_policy_updated"]
-    assert syncs_by_hook(backend) == {"on_policy_updated": updates}
-    assert requests_during(backend) > 0
-    records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
     assert last_mean(records, "reward/mean") >= 0.8
