@@ -4,8 +4,9 @@ The trainers print on their own too. rLLM's prints, whatever ``rllm.trainer.logg
 config as a table at the start and, every step, a table of every metric (about 90 rows), two
 sample trajectories and a rollout progress bar; the fallback prints a line per step with
 ``console``. Unless ``console`` is among ``rllm.trainer.logger``, what the trainer prints goes to
-``<run dir>/trainer_output.log`` (secrets masked, as on the console), and the console keeps the
-bar, the log's warnings and errors, and the summary.
+``<run dir>/trainer_output.log`` (secrets masked, as on the console; rLLM's metrics tables as
+plain lines, ``compat.rllm_metrics_table``), and the console keeps the bar, the log's warnings and
+errors, and the summary.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from rllm_skyrl.compat.rllm_metrics_table import plain_tables
 from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.secret_masking import MaskedStream
 
@@ -40,7 +42,7 @@ def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterat
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as file:
         stream = MaskedStream(file, masker)
-        with redirect_stdout(stream), redirect_stderr(stream):  # type: ignore[type-var]
+        with redirect_stdout(stream), redirect_stderr(stream), plain_tables():  # type: ignore[type-var]
             yield
 
 

@@ -130,6 +130,26 @@ def test_the_trainers_output_goes_to_the_run_directory_masked_and_logs_stay(tmp_
     assert capsys.readouterr().out == "shown\n" and not (tmp_path / "console").exists()
 
 
+def test_rllms_metrics_tables_go_to_the_file_as_plain_lines(tmp_path, capsys):
+    """rLLM's trainer draws a rich table of every metric each step; with its output in the run
+    directory the same rows are written as text, and rLLM's own function is back afterwards."""
+    trainer_module = pytest.importorskip("rllm.trainer.unified_trainer")
+    rllms = trainer_module.print_metrics_table
+    metrics = {"reward/mean": 0.25, "time/step": 0.5, "batch/size": 512, f"x/{SECRET}": 1.0}
+    with trainer_output(tmp_path, SecretMasker([SECRET]), on_console=False):
+        assert trainer_module.print_metrics_table is not rllms
+        trainer_module.print_metrics_table(metrics, 7)
+    assert trainer_module.print_metrics_table is rllms
+    lines = (tmp_path / TRAINER_OUTPUT).read_text().splitlines()
+    assert lines[0] == "Step 7" and len(lines) == 1 + len(metrics)
+    names = [line.split()[0] for line in lines[1:]]
+    assert names == ["batch/size", "reward/mean", "time/step", f"x/{REDACTED}"]
+    assert lines[2].split()[1] == "0.25" and lines[1].split()[1] == "512"
+    assert "┃" not in "".join(lines) and capsys.readouterr().out == ""
+    with trainer_output(tmp_path / "console", SecretMasker([]), on_console=True):
+        assert trainer_module.print_metrics_table is rllms  # on the console rLLM draws its table
+
+
 def drawn_panels(monkeypatch) -> list[dict[str, dict[str, tuple[list, list]]]]:
     """Every figure ``plot_run`` saves, as {panel title: {line label: (steps, values)}}."""
     from matplotlib.figure import Figure

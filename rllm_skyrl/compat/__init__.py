@@ -206,6 +206,17 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         {"rllm": (RLLM,)},
         in_workers=False,
     ),
+    PatchSet(
+        "rllm_metrics_table",
+        SPEED,
+        "rLLM's trainer, its output moved to trainer_output.log (console not in rllm.trainer.logger)",
+        "rLLM's trainer lays out a rich table of every metric after each step, also when nobody sees "
+        "it; the same rows are written as plain lines",
+        "60-step quickstart 34.5 s without, 28.8 s with (wall, median of 5 alternating runs; paired 0.95x)",
+        "rLLM: print the metrics table only with the console logger",
+        {"rllm": (RLLM,)},
+        in_workers=False,
+    ),
 )
 BY_NAME = {patch_set.name: patch_set for patch_set in PATCH_SETS}
 # Without these nothing runs here, or the result is wrong: on an unverified version they still
