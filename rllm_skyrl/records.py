@@ -113,6 +113,7 @@ class Step:
     chat_completions: list[dict[str, Any]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     weight_version: int | None = None
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
 
     def __post_init__(self) -> None:
         out = self.model_output

@@ -36,7 +36,9 @@ class AskOnceWorkflow(Workflow):
         messages = [{"role": "user", "content": task["question"]}]
         output = await self.rollout_engine.get_model_response(messages, application_id=uid, **kwargs)
         reward = float(self.reward_function(task, Action(action=output.content)).reward)
-        trajectory = Trajectory(task=task, steps=[Step(model_output=output, reward=reward)], reward=reward)
+        # Ids from the rollout's own: rLLM's records otherwise draw a random UUID for each.
+        step = Step(id=uid, model_output=output, reward=reward)
+        trajectory = Trajectory(uid=uid, task=task, steps=[step], reward=reward)
         truncated = output.finish_reason == "length"
         return Episode(
             id=uid,
