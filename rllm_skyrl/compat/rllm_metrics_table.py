@@ -21,12 +21,12 @@ NAME = "print_metrics_table"
 def write_metrics(metrics: Mapping[str, Any], step: int, title: str | None = None) -> None:
     """The table's rows, one ``name value`` line each, under its title."""
     width = max((len(key) for key in metrics), default=0)
-    lines = [f"{title or f'Step {step}'}"]
+    lines = [title or f"Step {step}"]
     lines += [
         f"{key:<{width}}  {value:.6g}" if isinstance(value, float) else f"{key:<{width}}  {value}"
         for key, value in sorted(metrics.items())
     ]
-    print("\n".join(lines), file=sys.stdout)
+    print("\n".join(lines))
 
 
 @contextmanager
