@@ -8,16 +8,12 @@ Layout under ``root`` (``training.default_local_dir``)::
         trainer_state.json   step, data-loader position, driver RNG
     latest                   "global_step_N" of the newest complete checkpoint
 
-A checkpoint is published atomically, and one run at a time holds a root (``checkpoint_dirs``):
-a process killed at any point of a save leaves the previous checkpoint and ``latest`` usable.
+How steps are laid out, published, locked and read back checked is ``checkpoint_dirs``: a process
+killed at any point of a save leaves the previous checkpoint and ``latest`` usable.
 
 Resume modes (``training.resume_mode``): ``auto`` continues from ``latest`` if there is one,
 ``disable`` starts from step 1 whatever is on disk, ``resume_path`` loads
 ``training.resume_from_path`` (a ``global_step_N`` directory, or a root holding ``latest``).
-
-What a resume will load (the pointer, ``trainer_state.json``, the role directories) is checked
-before any worker starts (``validate``), with errors naming the file; SkyRL's workers unpickle
-their checkpoint files, so a checkpoint others may write is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import errno
 import json
 import logging
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -38,26 +33,21 @@ import numpy as np
 import torch
 
 from rllm_skyrl.checkpoint_dirs import (
-    LATEST,
     OLD_PREFIX,
-    STEP_PREFIX,
+    STATE_FILE,
     CheckpointError,
     CheckpointLock,
+    claim,
+    latest_step,
     new_scratch_dir,
     publish,
-    recover_moved_aside,
-    refuse_foreign_writers,
     remove_scratch,
     step_dir,
     step_of,
+    validate,
 )
-from rllm_skyrl.run_config.resolve import RESUME_MODES
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE = "trainer_state.json"
-_POINTER = re.compile(rf"{STEP_PREFIX}(\d+)")
-_STATE_KEYS = {"global_step": int, "rng": dict, "roles": list}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -79,8 +69,8 @@ def _restore_rng(state: dict[str, Any]) -> None:
 class CheckpointManager:
     """Saves and restores the workers' state (of ``roles``) plus the driver's position in the data.
 
-    Built before anything starts, so ``validate`` can refuse a bad checkpoint first; ``save`` and
-    ``resume`` are handed the workers.
+    Built before anything starts, so a bad checkpoint is refused first (``claim_checkpoints``);
+    ``save`` and ``resume`` are handed the workers.
     """
 
     def __init__(self, root: str | Path, roles: tuple[str, ...], max_to_keep: int = -1):
@@ -97,24 +87,7 @@ class CheckpointManager:
         return step_dir(self.root, step)
 
     def latest_step(self) -> int | None:
-        """The step ``latest`` names, or None when nothing was saved yet."""
-        pointer = self.root / LATEST
-        if not pointer.exists():
-            return None
-        name = pointer.read_text().strip()
-        if not _POINTER.fullmatch(name):
-            raise CheckpointError(
-                f"{pointer} holds {name[:80]!r}, not '{STEP_PREFIX}<N>'; point it at a complete "
-                f"{STEP_PREFIX}N directory, or delete it to start over"
-            )
-        if not (self.root / name / STATE_FILE).exists():
-            recover_moved_aside(self.root, name, STATE_FILE)
-        if not (self.root / name / STATE_FILE).exists():
-            raise CheckpointError(
-                f"{pointer} names {name!r}, which is not a complete checkpoint; point it at a complete "
-                f"{STEP_PREFIX}N directory, or delete it to start over"
-            )
-        return int(name.removeprefix(STEP_PREFIX))
+        return latest_step(self.root)
 
     def save(self, step: int, trainer_state: Any, workers: Any) -> Path:
         """Write ``global_step_<step>`` atomically and point ``latest`` at it."""
@@ -154,78 +127,9 @@ class CheckpointManager:
         for old_step in steps[: -self.max_to_keep]:
             shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
 
-    def resolve(self, mode: str, path: str | None) -> Path | None:
-        """The checkpoint directory a resume in ``mode`` loads, or None to start from step 1."""
-        if mode not in RESUME_MODES:
-            raise ValueError(f"training.resume_mode={mode!r}: choose one of {RESUME_MODES}")
-        if mode == "disable":
-            try:
-                latest = self.latest_step()
-            except CheckpointError:  # a broken pointer does not matter to a run that ignores it
-                latest = None
-            if latest is not None:
-                logger.warning(
-                    "training.resume_mode=disable: starting from step 1 although %s holds checkpoints "
-                    "up to step %d; they are overwritten as this run reaches their steps",
-                    self.root,
-                    latest,
-                )
-            return None
-        if mode == "resume_path":
-            if not path:
-                raise ValueError("training.resume_mode=resume_path needs training.resume_from_path")
-            directory = Path(path)
-            if not (directory / STATE_FILE).exists() and (directory / LATEST).exists():
-                directory = directory / (directory / LATEST).read_text().strip()
-            if not (directory / STATE_FILE).exists():
-                raise FileNotFoundError(
-                    f"training.resume_from_path={path}: not a checkpoint (no {STATE_FILE}); give a "
-                    f"{STEP_PREFIX}N directory or a checkpoint root holding a '{LATEST}' file"
-                )
-            return directory
-        step = self.latest_step()
-        return None if step is None else self.step_dir(step)
-
-    def validate(self, mode: str, path: str | None) -> Path | None:
-        """What ``resume`` will load, checked without loading it (no worker needed): the pointer, the
-        state file's content, the role directories, who may write them. None: start from step 1."""
-        directory = self.resolve(mode, path)
-        if directory is None:
-            return None
-        state_file = directory / STATE_FILE
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointError(
-                f"{state_file} is unreadable ({type(error).__name__}: {error}); resume from an earlier "
-                f"{STEP_PREFIX}N directory (training.resume_mode=resume_path) or start over (disable)"
-            ) from None
-        problems = [
-            f"'{key}' is missing or not a {kind.__name__}"
-            for key, kind in _STATE_KEYS.items()
-            if not isinstance(state.get(key) if isinstance(state, dict) else None, kind)
-        ]
-        if not problems and not {"python", "numpy", "torch"} <= set(state["rng"]):
-            problems.append("'rng' lacks python/numpy/torch states")
-        if problems:
-            raise CheckpointError(
-                f"{state_file}: {'; '.join(problems)}; it was not written by a complete save"
-            )
-        missing = [role for role in self.roles if not (directory / role).is_dir()]
-        if missing:
-            raise CheckpointError(
-                f"{directory} has no {'/'.join(missing)} checkpoint (saved roles: {state.get('roles')}); "
-                "was it made with a different algorithm (e.g. without a critic)?"
-            )
-        for checked in [directory, *(directory / role for role in self.roles)]:
-            refuse_foreign_writers(checked)
-            for child in checked.iterdir():
-                refuse_foreign_writers(child)
-        return directory
-
     def resume(self, mode: str, path: str | None, trainer_state: Any, workers: Any) -> int | None:
         """Restore workers, step counter, data position and RNG; returns the step resumed from."""
-        directory = self.validate(mode, path)
+        directory = validate(self.root, self.roles, mode, path)
         if directory is None:
             return None
         state = json.loads((directory / STATE_FILE).read_text())
@@ -257,12 +161,8 @@ def claim_checkpoints(
     """This run's checkpoints (``run.checkpoint`` settings): the manager, the directory's lock (held
     until released), and the checkpoint a resume will load (None: step 1), checked without loading."""
     manager = CheckpointManager(settings.root, roles, settings.max_to_keep)
-    lock = CheckpointLock(settings.root).acquire()
-    try:
-        return manager, lock, manager.validate(settings.resume_mode, settings.resume_from_path)
-    except BaseException:
-        lock.release()
-        raise
+    lock, resume_from = claim(manager.root, manager.roles, settings.resume_mode, settings.resume_from_path)
+    return manager, lock, resume_from
 
 
 def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:

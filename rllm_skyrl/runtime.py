@@ -65,12 +65,12 @@ class Runtime:
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
-        """The run's checkpoint directory, Ray, the inference servers, the workers of ``run.roles``,
-        then the rollout engine over the servers; a failure part-way stops whatever had started.
+        """The tokenizer, the run's checkpoint directory, Ray, the inference servers, the workers of
+        ``run.roles``, then the rollout engine over the servers; a failure part-way stops whatever had
+        started.
 
-        The checkpoint directory is claimed first, before anything expensive: this run alone writes
-        it (a lock, released at shutdown), and what it would resume from is readable. The tokenizer
-        loads while a CPU run's Ray, launched at its first line, comes up. The rest is SkyRL's order
+        The checkpoint directory is claimed before anything expensive: this run alone writes it (a
+        lock, released at shutdown), and what it would resume from is readable. The rest is SkyRL's order
         (its trainer builds the inference client, then the models; with ``colocate_all`` the
         workers join the servers' placement group). One overlap: this package's CPU servers are
         processes of their own, launched before the workers and waited for after them, so they load
@@ -80,11 +80,11 @@ class Runtime:
         runtime = cls(run, tokenizer)
         phase = runtime._phase
         try:
+            with phase("tokenizer"):
+                runtime.tokenizer = runtime.tokenizer or load_tokenizer(run.model_path)
             runtime.checkpoints, runtime._checkpoint_lock, runtime.resume_from = claim_checkpoints(
                 run.checkpoint, run.trained_roles
             )
-            with phase("tokenizer"):
-                runtime.tokenizer = runtime.tokenizer or load_tokenizer(run.model_path)
             with phase("ray"):
                 runtime.owns_ray = start_ray(
                     run.skyrl, run.log_dir, platform=run.platform, cpu_threads=run.cpu_threads

@@ -32,8 +32,8 @@ from training_runs import (
     wait,
 )
 
-from rllm_skyrl.checkpoint import STATE_FILE, CheckpointManager
-from rllm_skyrl.checkpoint_dirs import LATEST, CheckpointError
+from rllm_skyrl.checkpoint import CheckpointManager
+from rllm_skyrl.checkpoint_dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock
 from rllm_skyrl.rollout_sampling import RequestSeeds
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
@@ -103,9 +103,13 @@ def test_resaving_a_step_is_atomic_and_recovers_an_interrupted_swap(tmp_path):
     manager.save(3, _state(), workers)  # e.g. after resuming from step 2
     assert (tmp_path / "global_step_3" / "policy" / "model.pt").read_text() == "2"
     assert not list(tmp_path.glob(".old_*"))
-    # A kill between moving the old directory aside and renaming the new one in:
+    # A kill between moving the old directory aside and renaming the new one in; the next run's claim
+    # puts it back:
     os.rename(tmp_path / "global_step_3", tmp_path / ".old_global_step_3_999")
-    assert manager.latest_step() == 3
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        manager.latest_step()
+    CheckpointLock(tmp_path).acquire().release()
+    assert manager.latest_step() == 3 and not list(tmp_path.glob(".old_*"))
     assert (tmp_path / "global_step_3" / "policy" / "model.pt").read_text() == "2"
 
 

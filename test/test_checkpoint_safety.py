@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rllm_skyrl.checkpoint import STATE_FILE, CheckpointManager
-from rllm_skyrl.checkpoint_dirs import LATEST, CheckpointError, CheckpointLock
+from rllm_skyrl.checkpoint import CheckpointManager
+from rllm_skyrl.checkpoint_dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock, validate
 
 
 class DiskWorkers:
@@ -114,12 +114,12 @@ def test_a_broken_checkpoint_is_named_before_anything_loads(tmp_path, break_it, 
     manager = saved(tmp_path)
     break_it(tmp_path)
     with pytest.raises(CheckpointError, match=message):
-        manager.validate("auto", None)
+        validate(manager.root, manager.roles, "auto", None)
 
 
 def test_validate_needs_no_workers(tmp_path):
     saved(tmp_path, step=4)
-    assert CheckpointManager(tmp_path, ("policy",)).validate("auto", None) == tmp_path / "global_step_4"
+    assert validate(tmp_path, ("policy",), "auto", None) == tmp_path / "global_step_4"
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):

@@ -369,8 +369,8 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     runtime = runtime_module.Runtime.start(run)
     group = pg if colocated else None
     assert events == [
-        ("checkpoints", ("policy",)),
         "tokenizer",
+        ("checkpoints", ("policy",)),
         "ray",
         ("servers", "tok"),
         ("workers", "tok", group),
@@ -387,7 +387,7 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
 
 def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start(monkeypatch):
     """The error reaches the caller; a Ray that was up before (a test session's, a notebook's) is
-    not shut down on the way out, and the checkpoint directory claimed first is released."""
+    not shut down on the way out, and the checkpoint directory claimed before Ray is released."""
     shut_down: list = []
 
     def start_ray(*args, **kwargs):
