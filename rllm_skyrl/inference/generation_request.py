@@ -112,8 +112,7 @@ class GenerationRequest:
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     """EOS ids from the generation config and the tokenizer (models often list several)."""
     ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)

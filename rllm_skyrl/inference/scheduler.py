@@ -42,6 +42,7 @@ PAUSE_MODES = ("keep", "wait", "abort")
 # they come, the first few would be prefilled and decoded on their own, the rest after them.
 BURST_GAP_S = 0.002
 BURST_MAX_WAIT_S = 0.02
+MAX_PREFILL_TOKENS = 8192  # distinct prompts x padded width in one admission's prefill
 COUNTERS = ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running")
 
 
@@ -55,7 +56,6 @@ class Scheduler:
         *,
         max_model_len: int,
         max_batch_size: int = 256,
-        max_prefill_tokens: int = 8192,
         max_waiting: int = 4096,
         seed: int = 0,
         can_merge: bool = True,
@@ -65,7 +65,6 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
         self.max_waiting = max_waiting
         self.can_merge = can_merge
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -316,7 +315,7 @@ class Scheduler:
                     break
                 if request.prompt_key not in prompts:
                     width = max(longest, len(request.prompt_ids))
-                    if taken and width * (len(prompts) + 1) > self.max_prefill_tokens:
+                    if taken and width * (len(prompts) + 1) > MAX_PREFILL_TOKENS:
                         break
                     prompts.add(request.prompt_key)
                     longest = width
@@ -343,13 +342,11 @@ class Scheduler:
     # ------------------------------------------------------------------ pause helpers
     def _abort_through(self, gate: int) -> None:
         """Finish every request submitted before the pause with ``finish_reason="abort"``."""
-        keep = []
-        for i, row in enumerate(self._running.rows):
+        rows = self._running.rows
+        for row in rows:
             if row.seq <= gate:
                 row.finish("abort")
-            else:
-                keep.append(i)
-        self._running.keep(keep)
+        self._running.keep([i for i, row in enumerate(rows) if row.seq > gate])
         with self._cv:
             doomed = [r for r in self._waiting if r.seq <= gate]
             self._waiting = deque(r for r in self._waiting if r.seq > gate)

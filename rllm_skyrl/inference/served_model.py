@@ -57,7 +57,6 @@ class InferenceService:
         served_model_name: str | None = None,
         max_model_len: int | None = None,
         max_batch_size: int = 256,
-        max_prefill_tokens: int = 8192,
         max_waiting: int = 4096,
         dtype: str = "float32",
         seed: int = 0,
@@ -86,7 +85,6 @@ class InferenceService:
             self.tokenizer,
             max_model_len=self.max_model_len,
             max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens,
             max_waiting=max_waiting,
             seed=seed,
             can_merge=_full_attention_only(model.config.get_text_config()),
@@ -115,11 +113,6 @@ class InferenceService:
             f"The model {name!r} does not exist; served: {sorted(self.base_names)} "
             f"plus LoRA adapters {self.scheduler.lora.names}",
         )
-
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
-    ) -> GenerationResult:
-        return (await self.generate_many([(prompt_ids, params)], adapter))[0]
 
     async def generate_many(
         self, jobs: list[tuple[list[int], SamplingParams]], adapter: str | None = None

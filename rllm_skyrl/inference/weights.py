@@ -229,18 +229,15 @@ class LoraAdapters:
 
         config = PeftConfig.from_pretrained(path)
         self._stale = True
-        if self._peft is None:
-            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-            return
-        if name in self._peft.peft_config:
+        if self._peft is not None and name in self._peft.peft_config:
             if _lora_shape(self._peft.peft_config[name]) == _lora_shape(config):
                 set_peft_model_state_dict(self._peft, load_peft_weights(path), adapter_name=name)
                 return
             self.unload(name)
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-                return
-        self._peft.load_adapter(path, adapter_name=name)
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        else:
+            self._peft.load_adapter(path, adapter_name=name)
 
     def unload(self, name: str) -> None:
         if name not in self.names:
