@@ -1,10 +1,9 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (non-streaming).
 
 Agent harnesses talk to the policy through these. Sampling keys follow vLLM's OpenAI server
-(``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids``... are accepted);
-request keys that only shape the transport (``user``, ``stream_options``...) are ignored. A
-request's own ``chat_template`` is refused, as vLLM does unless started with
-``--trust-request-chat-template``: the server renders with the model's template only.
+(``top_k``, ``min_p``, ``stop_token_ids``, ``return_token_ids``...); keys that only shape the
+transport (``user``, ``stream_options``...) are ignored. A request's own ``chat_template`` is
+refused, as vLLM does unless started with ``--trust-request-chat-template``.
 """
 
 from __future__ import annotations
