@@ -106,7 +106,6 @@ class RunningBatch:
             self.batch = self._merge(self.batch, new)
 
     def decode_step(self) -> None:
-        """One token for every row; rows that finish leave the batch."""
         batch = self.batch
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
         out = self.model(
@@ -151,7 +150,6 @@ class RunningBatch:
         ]
 
     def _select(self, batch: KVBatch, keep: list[int]) -> KVBatch | None:
-        """Drop finished rows, then the left columns that are padding in every remaining row."""
         if not keep:
             return None
         idx = torch.tensor(keep)
@@ -165,7 +163,6 @@ class RunningBatch:
         )
 
     def _merge(self, a: KVBatch, b: KVBatch) -> KVBatch:
-        """Concatenate two batches, left-padding the shorter one's cache and mask."""
         width = max(a.mask.shape[1], b.mask.shape[1])
 
         def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:

@@ -103,11 +103,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: Any) -> SamplingParams:
-        """Check a vLLM-style ``sampling_params`` object field by field; null means "default".
-
-        Unknown keys, and neutral-only keys at another value, are refused rather than ignored:
-        sampling from another distribution than asked for would corrupt a training run unnoticed.
-        """
+        """Check a vLLM-style ``sampling_params`` field by field (null means "default"). Unknown keys,
+        and neutral-only keys at another value, are refused rather than ignored: sampling from
+        another distribution than asked for would corrupt a training run unnoticed."""
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
@@ -145,13 +143,10 @@ class SampleResult:
 
 
 class BatchSampler:
-    """Samples one token per row with per-row settings, vectorised over the batch.
-
-    Draws invert each row's CDF at one uniform number (``searchsorted``), which is exact and much
-    cheaper on CPU than ``multinomial`` or an exponential race over the whole vocabulary. Seeded
-    rows take their uniform from their own generator, so a seeded request reproduces regardless of
-    what it is batched with.
-    """
+    """One token per row with per-row settings. Draws invert each row's CDF at one uniform number
+    (``searchsorted``): exact, and much cheaper on CPU than ``multinomial`` or an exponential race
+    over the whole vocabulary. Seeded rows take their uniform from their own generator, so a seeded
+    request reproduces whatever it is batched with."""
 
     def __init__(
         self,

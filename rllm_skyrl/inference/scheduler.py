@@ -1,17 +1,10 @@
 """The generation loop: continuous batching of many requests over one HF causal LM.
 
-A single thread owns the model. Each turn of its loop it runs the queued control calls
-(weight loads, pause, ...), admits waiting requests (one left-padded prefill of their distinct
-prompts, merged into the running batch: ``kv_batch``), runs one batched decode step, and retires
-the rows that finished. Requests therefore join and leave the batch at token granularity, instead
-of waiting for the slowest member of a static batch. An idle loop lets a burst of requests finish
-arriving before it admits them (``BURST_GAP_S``), so a step's requests share one prefill.
-
-The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
-and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
-next decode step. ``counters`` count what the loop did (prefills, KV-cache merges, decode steps,
-tokens, prefill positions (distinct prompts x their padded width), cancellations), so callers and
-tests can see it without timing anything.
+A single thread owns the model. Each turn it runs the queued control calls (weight loads, pause,
+...), admits waiting requests into the running batch (``kv_batch``), runs one batched decode step
+and retires the rows that finished, so requests join and leave at token granularity instead of
+waiting for the slowest member of a static batch. ``counters`` record what the loop did
+(``prefill_tokens``: distinct prompts x their padded width), so tests need not time anything.
 """
 
 from __future__ import annotations
@@ -108,12 +101,9 @@ class Scheduler:
     def submit(
         self, jobs: list[tuple[list[int], SamplingParams, Callback]], adapter: str | None = None
     ) -> list[GenerationRequest]:
-        """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe).
-
-        ``on_done`` is called from the generation thread. ``max_tokens`` is capped by the room
-        left in the context window; a request that hits that cap finishes with ``"length"``
-        rather than being refused. A full queue refuses the lot with 503.
-        """
+        """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe); ``on_done`` is
+        called from the generation thread. A ``max_tokens`` beyond the context window is not
+        refused: the request finishes with ``"length"`` where the window ends."""
         prepared = []
         for prompt_ids, params, on_done in jobs:
             self.check_prompt(prompt_ids)
@@ -242,7 +232,6 @@ class Scheduler:
         self._shutdown()
 
     def _step(self) -> None:
-        """Admit what may join, then advance every running row by one token."""
         admitted: list[GenerationRequest] = []
         try:
             with torch.inference_mode():
@@ -341,7 +330,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pause helpers
     def _abort_through(self, gate: int) -> None:
-        """Finish every request submitted before the pause with ``finish_reason="abort"``."""
         rows = self._running.rows
         for row in rows:
             if row.seq <= gate:
