@@ -1,12 +1,11 @@
 """A CPU inference server (HF transformers + FastAPI) speaking SkyRL's inference HTTP protocol.
 
-SkyRL's own ``RemoteInferenceClient`` drives it exactly as it drives SkyRL's vLLM servers, so the
-rollout path is the same on a laptop and on a GPU cluster. Full-weight sync, which SkyRL only
-does over vLLM/NCCL, goes through ``POST /rllm_skyrl/v1/load_weights``.
+SkyRL's own ``RemoteInferenceClient`` drives it as it drives SkyRL's vLLM servers, so the rollout
+path is the same on a laptop and on a GPU cluster. Full-weight sync, which SkyRL only does over
+vLLM/NCCL, goes through ``POST /rllm_skyrl/v1/load_weights``.
 
-The names below load their modules on first use: the driver imports this package for what its
-launcher needs (``middleware.TOKEN_ENV``), and should not pay for the server's torch and
-transformers imports before its start-up can begin.
+Names load their modules on first use: the driver imports this package for ``middleware.TOKEN_ENV``
+and should not pay for torch and transformers before its start-up can begin.
 """
 
 import importlib

@@ -1,16 +1,13 @@
 """``python -m rllm_skyrl.inference --model DIR [--port P]``: serve a model until interrupted.
 
-The token (every route but /health then requires it) comes from the environment variable
-``RLLM_SKYRL_SERVER_TOKEN``, never from the command line, where ``ps`` would show it to every
-user of the machine; the variable is removed from this process's environment once read.
-Without a token the server only binds a loopback address.
+The token (every route but /health then requires it) comes from ``RLLM_SKYRL_SERVER_TOKEN``, never
+from the command line, where ``ps`` would show it to every user; it is removed from this process's
+environment once read. Without a token the server only binds a loopback address.
 
-``--parent-pid PID``: exit when that process is gone (``start_cpu_servers`` passes its own pid).
-A watchdog thread polls ``os.getppid()``: the parent-death signal (``prctl(PR_SET_PDEATHSIG)``)
-would be quicker, but it fires when the *thread* that forked the server exits, not the process,
-so a library user who starts servers from a worker thread (a thread pool, ``asyncio.to_thread``)
-would lose them when that thread ends; it is also Linux-only. Polling covers both, and notices a
-parent killed by SIGKILL as well as one that exited normally.
+``--parent-pid PID``: exit when that process is gone (``start_cpu_servers`` passes its own pid). A
+thread polls ``os.getppid()``: ``prctl(PR_SET_PDEATHSIG)`` fires when the *thread* that forked the
+server exits, so servers started from a worker thread (a thread pool, ``asyncio.to_thread``) would
+die with it, and it is Linux-only. Polling also notices a parent killed by SIGKILL.
 """
 
 from __future__ import annotations

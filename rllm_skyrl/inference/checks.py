@@ -1,9 +1,8 @@
 """Type and range checks for request fields, each failing with a 400 that names the field.
 
-Every value a request hands to the generation thread passes through one of these at the door,
-so no request can carry a value that breaks a batched tensor op (an int64 overflow, a NaN) and
-fail the other requests decoding with it. JSON types are taken strictly: ``true`` is not an
-integer, ``"false"`` is not a boolean, ``5.0`` is not a token id.
+Every value a request hands to the generation thread passes one of these at the door, so none can
+break a batched tensor op (an int64 overflow, a NaN) and fail the requests decoding with it. JSON
+types are strict: ``true`` is not an integer, ``"false"`` not a boolean, ``5.0`` not a token id.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ def optional_integer(name: str, value: Any, lo: int, hi: int) -> int | None:
 
 
 def number(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    """A finite JSON number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     ok = (is_int(value) or isinstance(value, float)) and math.isfinite(value)
     if ok:
         value = float(value)
@@ -60,7 +58,6 @@ def boolean(name: str, value: Any) -> bool:
 
 
 def integers(name: str, value: Any, lo: int, hi: int, *, max_len: int) -> list[int]:
-    """A list of at most ``max_len`` integers in ``[lo, hi]``."""
     if not isinstance(value, list) or len(value) > max_len:
         raise bad(f"{name} must be a list of at most {max_len} integers, got {shown(value)}")
     for item in value:
@@ -70,7 +67,7 @@ def integers(name: str, value: Any, lo: int, hi: int, *, max_len: int) -> list[i
 
 
 def strings(name: str, value: Any, *, max_len: int, max_chars: int) -> list[str]:
-    """A string or a list of at most ``max_len`` non-empty strings of at most ``max_chars``."""
+    """A string, or a list of them (returned as a list)."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or len(items) > max_len:
         raise bad(f"{name} must be a string or a list of at most {max_len} strings, got {shown(value)}")

@@ -14,10 +14,8 @@ _TYPES = {
 
 
 class ApiError(Exception):
-    """A request the server refuses; ``message`` should tell the caller what to change.
-
-    ``headers`` go on the response (``Retry-After`` on a full queue, ``WWW-Authenticate`` on 401).
-    """
+    """A request the server refuses; ``message`` should tell the caller what to change, ``headers``
+    go on the response (``Retry-After`` on a full queue, ``WWW-Authenticate`` on 401)."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)

@@ -1,10 +1,4 @@
-"""A generation request's state while it waits or runs, and when it is done.
-
-Every decode step appends one token (and its logprobs) to each running request. A request
-finishes on a stop token, on a stop string in the decoded tail of what it generated, or when its
-token budget is spent, and delivers its ``GenerationResult`` (or the error that ended it) exactly
-once to its callback.
-"""
+"""A generation request's state while it waits or runs; its result or error is delivered exactly once."""
 
 from __future__ import annotations
 
@@ -67,7 +61,7 @@ class GenerationRequest:
     def add_token(
         self, token: int, logprob: float, top: list[tuple[int, float]] | None, tokenizer: Any
     ) -> bool:
-        """Append one sampled token and finish the request if it is done; True while it keeps running."""
+        """Append one sampled token, finishing the request if it is done; True while it keeps running."""
         self.token_ids.append(token)
         if self.logprobs is not None:
             self.logprobs.append(logprob)
@@ -112,8 +106,7 @@ class GenerationRequest:
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     """EOS ids from the generation config and the tokenizer (models often list several)."""
     ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (eos, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)

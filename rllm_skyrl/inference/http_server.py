@@ -16,16 +16,12 @@ from rllm_skyrl.inference.served_model import InferenceService
 
 
 class InferenceServer:
-    """Serve ``model_dir`` over HTTP in this process until ``stop()``.
+    """Serve ``model_dir`` over HTTP in this process until ``stop()``; ``port=0`` binds a free port.
 
-    ``port=0`` binds a free port; read it from ``url`` after ``start()``. Usable as a context
-    manager. The HTTP loop and the generation loop run on two daemon threads, so the caller's
-    thread stays free (tests drive it with SkyRL's own client from the same process).
-
-    ``token``: every route but /health requires it (see ``middleware.py``); a server bound to a
-    non-loopback address must have one. ``weights_root``: the only tree weights and adapters are
-    loaded from (None: weight loading is refused). ``max_body_bytes`` and ``max_waiting`` bound
-    what one client can make the server hold (413 and 503 beyond them).
+    The HTTP and generation loops run on daemon threads, so the caller's thread stays free (tests
+    drive it with SkyRL's own client from the same process). ``token``: every route but /health
+    requires it. ``weights_root``: the only tree weights and adapters load from (None: refused).
+    ``max_body_bytes`` and ``max_waiting`` bound what one client can make the server hold.
     """
 
     def __init__(
@@ -39,7 +35,6 @@ class InferenceServer:
         served_model_name: str | None = None,
         max_model_len: int | None = None,
         max_batch_size: int = 256,
-        max_prefill_tokens: int = 8192,
         max_waiting: int = 4096,
         max_body_bytes: int = 16 << 20,
         dtype: str = "float32",
@@ -62,7 +57,6 @@ class InferenceServer:
             served_model_name=served_model_name,
             max_model_len=max_model_len,
             max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens,
             max_waiting=max_waiting,
             dtype=dtype,
             seed=seed,
@@ -135,7 +129,6 @@ class InferenceServer:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine."""
     if host == "localhost":
         return True
     try:

@@ -1,15 +1,10 @@
 """The running batch: the rows decoding together, their KV cache, and the tensor work on it.
 
-Rows are left-padded: every row's columns are ``[pad | prompt | generated]``, so each row's newest
-token is in the last column and one forward pass advances all of them. A prefill runs the
-distinct prompts of the rows it admits as one batch and copies each prompt's KV cache to every row
-sampling from it; its rows join the running ones by a merge, which left-pads the narrower cache to
-the wider one's width. A finished row leaves by a select, which also drops the left columns that
-only padding is left in.
-
-Which requests run is the scheduler's business: ``RunningBatch`` prefills the rows it is given,
-advances every row by one token a step, records the tokens on the requests, and drops the rows
-that finished. Each batch carries the sampler for its rows, rebuilt whenever the rows change.
+Rows are left-padded (``[pad | prompt | generated]``), so every row's newest token is in the last
+column and one forward pass advances all of them. A prefill runs only the distinct prompts of the
+rows it admits and copies each prompt's KV cache to the rows sampling from it; new rows join by a
+merge that left-pads the narrower cache, finished rows leave by a select that also drops the left
+columns only padding is left in. Which requests run is the scheduler's business.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from rllm_skyrl.inference.sampling import BatchSampler, SampleResult
 
 
 class KVBatch:
-    """The running rows: a KV cache over ``[pad | prompt | generated]`` columns plus per-row state."""
+    """Rows with their KV cache and per-row state; the sampler is rebuilt whenever the rows change."""
 
     def __init__(
         self,
@@ -46,11 +41,7 @@ class KVBatch:
 
 
 class RunningBatch:
-    """The rows decoding together; used on the generation thread only, except ``rows``.
-
-    ``counters`` is the scheduler's: prefills, prefill_tokens, merges, decode_steps, tokens and
-    peak_running are counted here.
-    """
+    """Used on the generation thread only, except ``rows``; counts into the scheduler's ``counters``."""
 
     def __init__(
         self,
@@ -74,9 +65,7 @@ class RunningBatch:
         return batch.rows if batch is not None else []
 
     def admit(self, rows: list[GenerationRequest]) -> None:
-        """Run the distinct prompts of ``rows`` as one left-padded batch, copy each prompt's KV cache
-        and last logits to the rows sampling from it, sample their first token, and merge the
-        survivors into the running batch."""
+        """Prefill ``rows`` and sample their first token; the rows still running join the batch."""
         distinct: dict[tuple[int, ...], int] = {}
         source = [distinct.setdefault(r.prompt_key, len(distinct)) for r in rows]
         width = max(len(prompt) for prompt in distinct)
@@ -117,7 +106,6 @@ class RunningBatch:
             self.batch = self._merge(self.batch, new)
 
     def decode_step(self) -> None:
-        """Advance every running row by one token; rows that finish leave the batch."""
         batch = self.batch
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], 1))], dim=1)
         out = self.model(
@@ -153,7 +141,7 @@ class RunningBatch:
         )
 
     def _record(self, rows: list[GenerationRequest], result: SampleResult) -> list[int]:
-        """Append each row's new token, finish the rows that are done; return the rows to keep."""
+        """The indices of the rows still running after this step's tokens."""
         self.counters["tokens"] += len(rows)
         return [
             i
@@ -162,7 +150,6 @@ class RunningBatch:
         ]
 
     def _select(self, batch: KVBatch, keep: list[int]) -> KVBatch | None:
-        """Drop finished rows, then the left columns that are padding in every remaining row."""
         if not keep:
             return None
         idx = torch.tensor(keep)
@@ -176,7 +163,6 @@ class RunningBatch:
         )
 
     def _merge(self, a: KVBatch, b: KVBatch) -> KVBatch:
-        """Concatenate two batches, left-padding the shorter one's cache and mask."""
         width = max(a.mask.shape[1], b.mask.shape[1])
 
         def pad(t: torch.Tensor, dim_from_end: int) -> torch.Tensor:

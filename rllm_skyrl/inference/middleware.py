@@ -1,17 +1,13 @@
 """ASGI layers around the routes: the run's token, the body size limit, and last-resort errors.
 
-They sit outside FastAPI's routing, so a request without the token or with an oversized body
-is refused before any of it is parsed.
+Outside FastAPI's routing, so a request without the token or with an oversized body is refused
+before any of it is parsed. The token is accepted as ``Authorization: Bearer <token>`` or as the
+HTTP Basic password: Basic is what aiohttp sends for ``http://user:<token>@host:port``, which is
+how SkyRL's ``RemoteInferenceClient`` (it has no auth option) reaches an authenticated server.
 
-Authentication: whoever starts the server gives it a token (``RLLM_SKYRL_SERVER_TOKEN``, see
-``__main__``); every route except ``/health`` then needs ``Authorization: Bearer <token>``, or
-HTTP Basic with the token as password. Basic is what aiohttp sends for a URL with credentials
-(``http://user:<token>@host:port``), which is how SkyRL's ``RemoteInferenceClient`` -- it has
-no auth option -- reaches an authenticated server.
-
-Errors: Starlette answers an unhandled exception with a 500 and then re-raises it, and uvicorn
-closes the keep-alive connection on the way; the client's next request on it fails with a
-``ReadError``. ``LastResortErrors`` answers instead and keeps the connection open.
+Starlette answers an unhandled exception with a 500 and re-raises it, and uvicorn then closes the
+keep-alive connection, so the client's next request on it fails with a ``ReadError``;
+``LastResortErrors`` answers instead and keeps the connection open.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 async def send_error(send: Any, error: ApiError) -> None:
-    """Answer with ``error`` as JSON (for layers that run outside FastAPI's exception handlers)."""
+    """For layers that run outside FastAPI's exception handlers."""
     body = orjson.dumps(error.body())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in error.headers.items()]
@@ -56,8 +52,6 @@ def presented_token(authorization: bytes) -> bytes | None:
 
 
 class TokenAuth:
-    """Refuse (401) every request but ``OPEN_PATHS`` that does not carry ``token``."""
-
     def __init__(self, app: Any, token: str):
         self.app = app
         self.token = token.encode()
@@ -85,12 +79,9 @@ class TokenAuth:
 
 
 class BodyLimit:
-    """Refuse (413) a request body over ``max_bytes``: by its Content-Length before reading it,
-    or, for a chunked body, as soon as the bytes read pass the limit. Nothing of it is kept.
-
-    The connection stays open: uvicorn reads the rest of the body and drops it. Closing instead
-    would reset the connection while the client is still sending, and the client would see a
-    connection error rather than the 413."""
+    """Refuse (413) a body over ``max_bytes``: by its Content-Length, or for a chunked body once the
+    bytes read pass the limit. The connection stays open (uvicorn drains the rest): closing it while
+    the client still sends would show the client a connection error instead of the 413."""
 
     def __init__(self, app: Any, max_bytes: int):
         self.app = app
@@ -126,7 +117,7 @@ class BodyLimit:
 
 
 class LastResortErrors:
-    """Answer an exception no handler took with a JSON 500, keeping the connection usable."""
+    """A JSON 500 for an exception no handler took, keeping the connection usable."""
 
     def __init__(self, app: Any):
         self.app = app

@@ -1,16 +1,16 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` (non-streaming).
 
 Agent harnesses talk to the policy through these. Sampling keys follow vLLM's OpenAI server
-(``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids``... are accepted);
-request keys that only shape the transport (``user``, ``stream_options``...) are ignored. A
-request's own ``chat_template`` is refused, as vLLM does unless started with
-``--trust-request-chat-template``: the server renders with the model's template only.
+(``top_k``, ``min_p``, ``stop_token_ids``, ``return_token_ids``...); keys that only shape the
+transport (``user``, ``stream_options``...) are ignored. A request's own ``chat_template`` is
+refused, as vLLM does unless started with ``--trust-request-chat-template``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from rllm_skyrl.inference import checks
@@ -65,12 +65,10 @@ def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
 
 def n_jobs(prompt_ids: list[int], params: SamplingParams, n: int) -> list[tuple[list[int], SamplingParams]]:
     """n independent samples; with a seed, sample i uses seed + i so they differ yet reproduce."""
-    jobs = [(prompt_ids, params)]
-    for i in range(1, n):
-        extra = SamplingParams(**vars(params))
-        extra.seed = None if params.seed is None else params.seed + i
-        jobs.append((prompt_ids, extra))
-    return jobs
+    seed = params.seed
+    return [(prompt_ids, params)] + [
+        (prompt_ids, replace(params, seed=None if seed is None else seed + i)) for i in range(1, n)
+    ]
 
 
 def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, int]:

@@ -12,9 +12,7 @@
 | ``POST /rllm_skyrl/v1/load_weights``, ``GET /rllm_skyrl/v1/weight_version`` | full-weight sync on CPU |
 
 Errors are ``{"error": {"message", "type", "code"}}``, which the client surfaces verbatim. Every
-field is checked before any work starts (400 naming it); a request whose client disconnects is
-cancelled in the scheduler; ``middleware.py`` adds the token check (every route but ``/health``),
-the body size limit (413) and the last-resort 500.
+field is checked before any work starts; a request whose client disconnects is cancelled.
 """
 
 from __future__ import annotations
@@ -91,7 +89,7 @@ def token_logprobs(result: GenerationResult) -> dict[str, Any] | None:
 
 
 async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (call after the body was read)."""
+    """Returns once the client has gone; call only after the body was read."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -116,7 +114,6 @@ async def unless_disconnected[T](request: Request, work: Awaitable[T]) -> T:
 def build_app(
     service: InferenceService, *, token: str | None = None, max_body_bytes: int = 16 << 20
 ) -> FastAPI:
-    """The routes over ``service``; with ``token``, every route but /health requires it."""
     app = FastAPI(title="rllm_skyrl CPU inference server", docs_url=None, redoc_url=None)
     scheduler = service.scheduler
     # add_middleware wraps outwards: the token is checked first, LastResortErrors sits innermost.

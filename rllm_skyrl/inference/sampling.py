@@ -1,17 +1,12 @@
 """Sampling parameters (vLLM's names and meanings) and the batched sampler.
 
-Logprob convention: the logprob returned for a sampled token is
-``log_softmax(logits / temperature)[token]`` -- the distribution after temperature only, before
-top-k / top-p / min-p truncation and before the ``min_tokens`` stop-token mask. That is exactly
-what the trainer recomputes (``log_softmax(logits / algorithm.temperature)``), so the importance
-ratio between rollout and trainer logprobs is 1 up to float error when the weights match, which
-is what off-policy corrections and the tests rely on. With truncation active the reported value
-is therefore not the probability the token was drawn with; that is deliberate (vLLM's default
-"raw logprobs" mode makes the same choice). Greedy rows (temperature 0) report ``log_softmax(logits)``.
-
-Like vLLM, a temperature in (0, 0.01) is raised to 0.01 (smaller ones overflow fp32 logits and
-left nothing but NaN to report), and a logprob below -9999 (a probability that underflows fp32)
-is reported as -9999.0: a reported logprob is always a finite number, never null.
+A sampled token's reported logprob is ``log_softmax(logits / temperature)[token]``: after
+temperature, before top-k / top-p / min-p truncation and the ``min_tokens`` stop-token mask. That
+is what the trainer recomputes (``log_softmax(logits / algorithm.temperature)``), so the
+rollout/trainer importance ratio is 1 up to float error when the weights match, which off-policy
+corrections and the tests rely on. Under truncation it is thus not the probability the token was
+drawn with, deliberately (vLLM's default "raw logprobs" mode does the same). Greedy rows
+(temperature 0) report ``log_softmax(logits)``. A reported logprob is always finite, never null.
 """
 
 from __future__ import annotations
@@ -53,8 +48,10 @@ _NEUTRAL_KEYS = {
     "structured_outputs": None,
 }
 MAX_TOP_LOGPROBS = 20
-MIN_TEMPERATURE = 0.01  # vLLM's floor: a smaller non-zero temperature overflows fp32 logits
-LOGPROB_FLOOR = -9999.0  # vLLM's floor for a reported logprob whose probability underflows
+# vLLM's floors: a smaller non-zero temperature overflows fp32 logits (leaving only NaN to report),
+# and a reported logprob whose probability underflows fp32 is raised to LOGPROB_FLOOR.
+MIN_TEMPERATURE = 0.01
+LOGPROB_FLOOR = -9999.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # every decode step checks each running row's stops
 MAX_STOP_TOKEN_IDS = 1024
 
@@ -106,12 +103,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: Any) -> SamplingParams:
-        """Check a vLLM-style ``sampling_params`` object field by field; anything else is a 400.
-
-        null means "default" (as in vLLM). Unknown keys, and keys we only accept at their
-        neutral value, are refused rather than ignored: silently sampling from another
-        distribution than the caller asked for would corrupt a training run unnoticed.
-        """
+        """Check a vLLM-style ``sampling_params`` field by field (null means "default"). Unknown keys,
+        and neutral-only keys at another value, are refused rather than ignored: sampling from
+        another distribution than asked for would corrupt a training run unnoticed."""
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
@@ -143,21 +137,16 @@ class SamplingParams:
 
 @dataclass
 class SampleResult:
-    """One decode step's draws: token ids, their logprobs and optional top-k alternatives."""
-
     tokens: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]] | None
 
 
 class BatchSampler:
-    """Samples one token per row with per-row settings, vectorised over the batch.
-
-    Draws invert each row's CDF at one uniform number (``searchsorted``), which is exact and much
-    cheaper on CPU than ``multinomial`` or an exponential race over the whole vocabulary. Seeded
-    rows take their uniform from their own generator, so a seeded request reproduces regardless of
-    what it is batched with. ``generated`` counts each row's tokens so far (for ``min_tokens``).
-    """
+    """One token per row with per-row settings. Draws invert each row's CDF at one uniform number
+    (``searchsorted``): exact, and much cheaper on CPU than ``multinomial`` or an exponential race
+    over the whole vocabulary. Seeded rows take their uniform from their own generator, so a seeded
+    request reproduces whatever it is batched with."""
 
     def __init__(
         self,

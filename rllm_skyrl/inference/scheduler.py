@@ -1,17 +1,10 @@
 """The generation loop: continuous batching of many requests over one HF causal LM.
 
-A single thread owns the model. Each turn of its loop it runs the queued control calls
-(weight loads, pause, ...), admits waiting requests (one left-padded prefill of their distinct
-prompts, merged into the running batch: ``kv_batch``), runs one batched decode step, and retires
-the rows that finished. Requests therefore join and leave the batch at token granularity, instead
-of waiting for the slowest member of a static batch. An idle loop lets a burst of requests finish
-arriving before it admits them (``BURST_GAP_S``), so a step's requests share one prefill.
-
-The queue of waiting requests is bounded (a full queue refuses with 503 and ``Retry-After``),
-and a request whose caller went away is cancelled: it leaves the queue, or the batch before the
-next decode step. ``counters`` count what the loop did (prefills, KV-cache merges, decode steps,
-tokens, prefill positions (distinct prompts x their padded width), cancellations), so callers and
-tests can see it without timing anything.
+A single thread owns the model. Each turn it runs the queued control calls (weight loads, pause,
+...), admits waiting requests into the running batch (``kv_batch``), runs one batched decode step
+and retires the rows that finished, so requests join and leave at token granularity instead of
+waiting for the slowest member of a static batch. ``counters`` record what the loop did
+(``prefill_tokens``: distinct prompts x their padded width), so tests need not time anything.
 """
 
 from __future__ import annotations
@@ -42,6 +35,7 @@ PAUSE_MODES = ("keep", "wait", "abort")
 # they come, the first few would be prefilled and decoded on their own, the rest after them.
 BURST_GAP_S = 0.002
 BURST_MAX_WAIT_S = 0.02
+MAX_PREFILL_TOKENS = 8192  # distinct prompts x padded width in one admission's prefill
 COUNTERS = ("prefills", "prefill_tokens", "merges", "decode_steps", "tokens", "cancelled", "peak_running")
 
 
@@ -55,7 +49,6 @@ class Scheduler:
         *,
         max_model_len: int,
         max_batch_size: int = 256,
-        max_prefill_tokens: int = 8192,
         max_waiting: int = 4096,
         seed: int = 0,
         can_merge: bool = True,
@@ -65,7 +58,6 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
-        self.max_prefill_tokens = max_prefill_tokens
         self.max_waiting = max_waiting
         self.can_merge = can_merge
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
@@ -109,12 +101,9 @@ class Scheduler:
     def submit(
         self, jobs: list[tuple[list[int], SamplingParams, Callback]], adapter: str | None = None
     ) -> list[GenerationRequest]:
-        """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe).
-
-        ``on_done`` is called from the generation thread. ``max_tokens`` is capped by the room
-        left in the context window; a request that hits that cap finishes with ``"length"``
-        rather than being refused. A full queue refuses the lot with 503.
-        """
+        """Queue ``(prompt_ids, params, on_done)`` requests, all or none (thread-safe); ``on_done`` is
+        called from the generation thread. A ``max_tokens`` beyond the context window is not
+        refused: the request finishes with ``"length"`` where the window ends."""
         prepared = []
         for prompt_ids, params, on_done in jobs:
             self.check_prompt(prompt_ids)
@@ -243,7 +232,6 @@ class Scheduler:
         self._shutdown()
 
     def _step(self) -> None:
-        """Admit what may join, then advance every running row by one token."""
         admitted: list[GenerationRequest] = []
         try:
             with torch.inference_mode():
@@ -316,7 +304,7 @@ class Scheduler:
                     break
                 if request.prompt_key not in prompts:
                     width = max(longest, len(request.prompt_ids))
-                    if taken and width * (len(prompts) + 1) > self.max_prefill_tokens:
+                    if taken and width * (len(prompts) + 1) > MAX_PREFILL_TOKENS:
                         break
                     prompts.add(request.prompt_key)
                     longest = width
@@ -342,14 +330,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ pause helpers
     def _abort_through(self, gate: int) -> None:
-        """Finish every request submitted before the pause with ``finish_reason="abort"``."""
-        keep = []
-        for i, row in enumerate(self._running.rows):
+        rows = self._running.rows
+        for row in rows:
             if row.seq <= gate:
                 row.finish("abort")
-            else:
-                keep.append(i)
-        self._running.keep(keep)
+        self._running.keep([i for i, row in enumerate(rows) if row.seq > gate])
         with self._cv:
             doomed = [r for r in self._waiting if r.seq <= gate]
             self._waiting = deque(r for r in self._waiting if r.seq > gate)

@@ -1,6 +1,5 @@
-"""The served model behind the HTTP routes: loading, model-name resolution, generation, weight swaps.
+"""The served model behind the HTTP routes (which translate HTTP to these calls).
 
-Transport-agnostic on purpose: ``routes.py`` and ``openai_api.py`` translate HTTP to these calls.
 Chat templating and text tokenization run on a thread of their own, never on the event loop: a
 heavy template or a long text would otherwise stall every other request, ``/health`` included.
 """
@@ -57,7 +56,6 @@ class InferenceService:
         served_model_name: str | None = None,
         max_model_len: int | None = None,
         max_batch_size: int = 256,
-        max_prefill_tokens: int = 8192,
         max_waiting: int = 4096,
         dtype: str = "float32",
         seed: int = 0,
@@ -86,7 +84,6 @@ class InferenceService:
             self.tokenizer,
             max_model_len=self.max_model_len,
             max_batch_size=max_batch_size,
-            max_prefill_tokens=max_prefill_tokens,
             max_waiting=max_waiting,
             seed=seed,
             can_merge=_full_attention_only(model.config.get_text_config()),
@@ -116,19 +113,11 @@ class InferenceService:
             f"plus LoRA adapters {self.scheduler.lora.names}",
         )
 
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
-    ) -> GenerationResult:
-        return (await self.generate_many([(prompt_ids, params)], adapter))[0]
-
     async def generate_many(
         self, jobs: list[tuple[list[int], SamplingParams]], adapter: str | None = None
     ) -> list[GenerationResult]:
-        """Run ``(prompt_ids, params)`` jobs, queued together (all or none).
-
-        If the awaiting task is cancelled (its client disconnected) or one job fails, the
-        others are cancelled in the scheduler too: nobody is left to read them.
-        """
+        """Run ``(prompt_ids, params)`` jobs, queued all or none. If the awaiting task is cancelled
+        (its client left) or one job fails, the others are cancelled too: nobody would read them."""
         if not jobs:
             return []
         loop = asyncio.get_running_loop()
@@ -203,7 +192,6 @@ class InferenceService:
         return await self._on_text_thread(render)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize ``text`` off the event loop."""
         return await self._on_text_thread(lambda: self._encode(text, add_special_tokens))
 
     async def decode(self, token_ids: list[int]) -> str:
@@ -230,12 +218,9 @@ class InferenceService:
 
     # ------------------------------------------------------------------ control plane
     async def on_thread(self, fn) -> Any:
-        """Run ``fn`` on the generation thread, between decode steps."""
         return await asyncio.wrap_future(self.scheduler.call(fn))
 
     async def load_weights(self, path: str, weight_version: int | None) -> dict[str, Any]:
-        """Copy a ``save_pretrained`` checkpoint (under the weights root) into the served model
-        and record its version."""
         directory = self.weights_root.directory(path, "weights")
         if self.scheduler.lora.names:
             raise ApiError(

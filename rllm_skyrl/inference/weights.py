@@ -1,9 +1,7 @@
 """Swapping weights into a live model: full HF checkpoints from the trainer, and LoRA adapters.
 
-Both run on the generation thread between decode steps (see ``Scheduler.call``), so a forward
-pass never sees half-copied weights. Both read only under the server's ``WeightsRoot``: a caller
-names a directory, and every file opened from it (shards named by an index included) must
-resolve, symlinks followed, to a path under the root.
+Both run on the generation thread between decode steps (``Scheduler.call``), so a forward pass
+never sees half-copied weights, and both read only under the server's ``WeightsRoot``.
 """
 
 from __future__ import annotations
@@ -23,19 +21,15 @@ _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_m
 
 
 class WeightsRoot:
-    """The directory tree a server may load weights and adapters from (None: load nothing).
-
-    The root is resolved once, at start. A requested path, or a file inside it, is resolved
-    with every symlink followed and must land under the root; otherwise the request gets the
-    same "path outside" answer whether or not the path exists, so the server cannot be used
-    to probe the filesystem.
-    """
+    """The tree a server may load weights and adapters from (None: nothing). A requested path, and
+    every file opened from it (shards an index names included), must resolve, symlinks followed,
+    under the root; otherwise the answer is the same "path outside" whether or not the path exists,
+    so the server cannot be used to probe the filesystem."""
 
     def __init__(self, root: str | Path | None):
         self.root = Path(os.path.realpath(root)) if root is not None else None
 
     def directory(self, path: object, what: str) -> Path:
-        """The resolved directory a request names, if it lies under the root."""
         if self.root is None:
             raise ApiError(
                 400,
@@ -47,8 +41,7 @@ class WeightsRoot:
         return self._inside(path)
 
     def file(self, directory: Path, name: object) -> Path:
-        """A file of ``directory`` by a name read from disk (an index's shard names): a plain
-        relative name, and a file under the root once symlinks are followed."""
+        """A file of ``directory`` by a name read from disk (an index's shard names)."""
         parts = PurePosixPath(name).parts if isinstance(name, str) and name and "\x00" not in name else ()
         if not parts or parts[0] == "/" or ".." in parts or "\\" in name:
             raise ApiError(400, f"file name {shown(name)} in {directory} leaves that directory")
@@ -127,12 +120,9 @@ def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
 
 
 def load_full_weights(model: torch.nn.Module, directory: Path, root: WeightsRoot) -> None:
-    """Copy a checkpoint into ``model``'s existing tensors (casting dtype), or refuse untouched.
-
-    Keys and shapes are checked before anything is copied, so a wrong checkpoint leaves the
-    served weights as they were. A tied key absent from the file takes its partner's value
-    (tied embeddings are saved once).
-    """
+    """Copy a checkpoint into ``model``'s existing tensors (casting dtype). Keys and shapes are all
+    checked first, so a wrong checkpoint leaves the served weights as they were. A tied key absent
+    from the file takes its partner's value (tied embeddings are saved once)."""
     groups = _tied_groups(model)
     incoming = read_hf_state_dict(directory, root)
     for keys in groups:
@@ -164,12 +154,10 @@ def load_full_weights(model: torch.nn.Module, directory: Path, root: WeightsRoot
 def _untie_diverged(
     model: torch.nn.Module, incoming: dict[str, torch.Tensor], groups: list[list[str]]
 ) -> None:
-    """Give tied tensors their own storage when the trainer sent them with different values.
-
-    This package's trainer keeps them tied (``compat/tied_embeddings.py``), but a checkpoint from
-    a trainer that trained ``lm_head`` and ``embed_tokens`` apart (SkyRL's FSDP set-up unpatched)
-    would otherwise be served as a policy the trainer never had.
-    """
+    """Give tied tensors their own storage when the checkpoint holds different values for them: this
+    package's trainer keeps them tied (``compat/tied_embeddings.py``), but a checkpoint that trained
+    ``lm_head`` and ``embed_tokens`` apart (SkyRL's FSDP set-up unpatched) would otherwise be served
+    as a policy the trainer never had."""
     current = model.state_dict()
     for keys in groups:
         first = keys[0]
@@ -184,12 +172,9 @@ def _untie_diverged(
 
 
 class LoraAdapters:
-    """PEFT LoRA adapters injected into the served model, addressed by name.
-
-    One adapter (or the base model) is active per forward pass; the scheduler activates the
-    adapter of the batch it is about to run. Reloading a name with the same LoRA shape copies
-    the new tensors in place, as SkyRL does every training step.
-    """
+    """PEFT LoRA adapters injected into the served model, addressed by name; one (or the base model)
+    is active per forward pass. Reloading a name with the same LoRA shape copies the new tensors in
+    place, as SkyRL does every training step."""
 
     def __init__(self, model: torch.nn.Module, root: WeightsRoot):
         self.model = model
@@ -229,18 +214,15 @@ class LoraAdapters:
 
         config = PeftConfig.from_pretrained(path)
         self._stale = True
-        if self._peft is None:
-            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-            return
-        if name in self._peft.peft_config:
+        if self._peft is not None and name in self._peft.peft_config:
             if _lora_shape(self._peft.peft_config[name]) == _lora_shape(config):
                 set_peft_model_state_dict(self._peft, load_peft_weights(path), adapter_name=name)
                 return
             self.unload(name)
-            if self._peft is None:
-                self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
-                return
-        self._peft.load_adapter(path, adapter_name=name)
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self.model, path, adapter_name=name)
+        else:
+            self._peft.load_adapter(path, adapter_name=name)
 
     def unload(self, name: str) -> None:
         if name not in self.names:
