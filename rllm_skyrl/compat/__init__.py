@@ -1,21 +1,15 @@
 """Every change this package makes at run time to another library, in one table: ``PATCH_SETS``.
 
 A *patch set* is one module of this package that changes SkyRL, torch, transformers, Ray, rLLM or
-the process's output streams. The table says for each when it applies, why, what it gains
-(measured), the upstream change that would retire it, and the versions it was verified on; the
-README's "Patches" table is generated from it (``table_markdown``). On CUDA the run is SkyRL's
-stock code: only sets that fix a bug (a crash or a wrong result, each with a test that reproduces
-it on unpatched SkyRL) apply there; what is done for speed applies on CPU only.
+the process's output streams; README's "Patches" table is generated from this one. On CUDA the run
+is SkyRL's stock code but for the bug fixes (a crash or a wrong result, each with a test that
+reproduces it on unpatched SkyRL); what is done for speed applies on CPU only.
 
-Guards: on any version a set was not verified on, a speed or integration set is skipped with one
-warning naming it and the version found, and the run trains without it; a set without which
-nothing can run here (``cpu``) or that fixes a bug (``flash_attn_stub``, ``tied_embeddings``) is
-applied with one warning instead, and skipped (with a warning) only when
-what it changes is no longer there. ``RLLM_SKYRL_COMPAT_DISABLE=a,b`` turns sets off by name.
-
-The driver decides which sets apply (``for_platform``) and applies them (``prepare_driver``); Ray
-workers run ``apply_from_env`` as their ``worker_process_setup_hook`` with the names the driver put
-into their environment (``ray_runtime_env``). A set's module is imported only when it is applied.
+On a version a set was not verified on, a speed or integration set is skipped with one warning and
+the run trains without it; a set without which nothing runs here (``cpu``) or that fixes a bug is
+applied with a warning instead, and skipped only when what it changes is no longer there.
+``RLLM_SKYRL_COMPAT_DISABLE=a,b`` turns sets off by name. Ray workers get the driver's sets through
+``worker_process_setup_hook`` (``ray_runtime_env``). A set's module is imported only when applied.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rllm_skyrl.hardware import Platform, has_nvidia_driver
@@ -39,8 +33,7 @@ DISABLE_VAR = "RLLM_SKYRL_COMPAT_DISABLE"
 
 BUG, ENABLES, SPEED, INTEGRATION = "bug fix", "enables", "speed", "integration"
 
-# The versions this package was verified on (the environment the test suite and the README's
-# figures ran in).
+# The environment the test suite and the README's figures ran in.
 SKYRL, TORCH, TRANSFORMERS, RAY, RLLM = "0.4.0", "2.13.0", "5.16.1", "2.57.0", "0.3.0rc0"
 
 
@@ -58,9 +51,7 @@ def _without_flash_attn(platform: Platform) -> bool:
 
 @dataclass(frozen=True)
 class PatchSet:
-    """One module that changes another library, and when that is allowed.
-
-    ``when`` picks the platforms it applies on for SkyRL's training path (``None``: applied where
+    """``when`` picks the platforms it applies on for SkyRL's training path (``None``: applied where
     the code that needs it names it, described by ``applies``). ``verified`` maps a distribution
     (or ``python``) to the versions checked. ``in_workers``: also applied in every Ray worker.
     """
@@ -74,7 +65,7 @@ class PatchSet:
     verified: Mapping[str, tuple[str, ...]]
     when: Callable[[Platform], bool] | None = None
     in_workers: bool = True
-    module: str = field(default="")
+    module: str = ""
 
     @property
     def module_name(self) -> str:
@@ -219,8 +210,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
     ),
 )
 BY_NAME = {patch_set.name: patch_set for patch_set in PATCH_SETS}
-# Without these nothing runs here, or the result is wrong: on an unverified version they still
-# apply (with a warning) as long as what they change exists.
+# Without these nothing runs here, or the result is wrong.
 APPLY_UNVERIFIED = frozenset(p.name for p in PATCH_SETS if p.purpose in (BUG, ENABLES))
 
 _applied: set[str] = set()
@@ -252,7 +242,6 @@ def unverified(name: str) -> list[str]:
 
 
 def disabled() -> set[str]:
-    """Sets turned off by name in ``RLLM_SKYRL_COMPAT_DISABLE``."""
     return {name for name in os.environ.get(DISABLE_VAR, "").split(",") if name}
 
 
@@ -269,25 +258,22 @@ def usable(names: Iterable[str]) -> list[str]:
     unknown = sorted(wanted - set(BY_NAME))
     if unknown:
         raise ValueError(f"unknown patch set(s) {unknown}; known: {sorted(BY_NAME)}")
+    wanted -= disabled()
     chosen = []
     for patch_set in PATCH_SETS:
         name = patch_set.name
-        if name not in wanted or name in disabled():
+        if name not in wanted:
             continue
         versions = unverified(name)
-        if versions and name not in APPLY_UNVERIFIED:
-            _warn_once(
-                name,
-                f"rllm_skyrl: patch set {name!r} was verified on {_verified_text(name)}, not on "
-                f"{', '.join(versions)}: skipped ({patch_set.why}); training runs without it",
-            )
-            continue
         if versions:
-            _warn_once(
-                name,
+            found = (
                 f"rllm_skyrl: patch set {name!r} was verified on {_verified_text(name)}, not on "
-                f"{', '.join(versions)}: applied anyway ({patch_set.why})",
+                f"{', '.join(versions)}"
             )
+            if name not in APPLY_UNVERIFIED:
+                _warn_once(name, f"{found}: skipped ({patch_set.why}); training runs without it")
+                continue
+            _warn_once(name, f"{found}: applied anyway ({patch_set.why})")
         chosen.append(name)
     return chosen
 
@@ -297,7 +283,7 @@ def _verified_text(name: str) -> str:
 
 
 def apply(names: Iterable[str]) -> list[str]:
-    """Install the usable sets among ``names`` in this process, each once; returns those applied.
+    """Install the usable sets among ``names``, each once per process; returns those applied.
 
     A set that fails to install on a version it was not verified on (what it changes has moved)
     is skipped with a warning; on a verified version the error is raised: it is a bug here.
@@ -318,7 +304,6 @@ def apply(names: Iterable[str]) -> list[str]:
 
 
 def applied() -> frozenset[str]:
-    """The sets installed in this process."""
     return frozenset(_applied)
 
 
@@ -328,7 +313,6 @@ def for_platform(platform: Platform) -> tuple[str, ...]:
 
 
 def prepare_driver(platform: Platform) -> list[str]:
-    """Apply ``platform``'s sets in this process (the driver); returns those applied."""
     return apply(for_platform(platform))
 
 
@@ -337,9 +321,8 @@ IMPORT_TIME = ("transformers_import_cache", "lazy_imports")
 
 
 def prepare_imports() -> list[str]:
-    """The import-time sets, at a run's first line, on a machine without an NVIDIA driver (a CPU
-    run, known without importing torch); a CPU run on a machine with one gets them later, from
-    ``prepare_driver``, for what is imported after that."""
+    """The import-time sets at a run's first line where there is no NVIDIA driver (a CPU run, known
+    without importing torch); a CPU run on a machine with one gets them later from ``prepare_driver``."""
     if has_nvidia_driver():
         return []
     return apply(name for name in for_platform(Platform(cuda=False)) if name in IMPORT_TIME)

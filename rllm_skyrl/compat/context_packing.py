@@ -1,39 +1,35 @@
 """Rows that share their context compute it once: a prompt's samples packed into one row.
 
 GRPO samples every prompt n times, and SkyRL's batch repeats the prompt in each of the n rows
-(``[PAD | prompt | response]``): the policy's forward and backward ran every prompt n times. For
-the quickstart (16 prompts of about 17 tokens, 32 samples of 2 tokens) that is 17 of every 20
-tokens computed 32 times over.
+(``[PAD | prompt | response]``): for the quickstart (16 prompts of about 17 tokens, 32 samples of
+2 tokens) 17 of every 20 tokens were computed 32 times over.
 
-``packed_window_logits`` puts the rows whose context before the response window is the same
-(same ids, same padding) into one packed row: the context once, then each row's window, under an
-attention mask that lets a window see the context and itself only, each token at the position
-it has in its own row. The logits of every window are the ones the row alone would get, up to
-float rounding (the scores are summed in another order); gradients flow back through the shared
-context from all of its windows, as they would from each copy. It is one forward and one
-backward per layer, which FSDP needs (a module called twice before one backward frees the
-weights the first call's backward reads).
+Rows with the same context before the response window (same ids, same padding) go into one packed
+row: the context once, then each row's window, under a mask that lets a window see the context and
+itself only, each token at its position in its own row. Every window's logits are the row's own up
+to float rounding (scores summed in another order), and gradients reach the shared context from all
+its windows as they would reach each copy. It is one forward and one backward per layer, which FSDP
+needs (a module called twice before one backward frees the weights the first call's backward reads).
 
-How many windows go into one packed row is a trade: each packed row computes its context once,
-but its attention scores grow with the square of its length (a window only reads its own part,
-yet the kernel computes every pair). A token's projections and MLP cost about as much as
-``PAIRS_PER_TOKEN`` x hidden size attention pairs (sdpa with a mask, CPU: measured 4-6 on the
-tiny model and on SmolLM2-135M's layer shape), so a context of ``c`` tokens followed by windows
-of ``w`` costs least per window with about ``sqrt(c^2 + rho c) / w`` of them, ``rho`` being that
-many pairs. Measured fwd+bwd on SmolLM2-135M's layer shape (2 cores, rows x prompt + response):
-64 x 200 + 16 tokens 12.7 -> 4.7 s, 512 x 11 + 2 9.7 -> 5.5 s; on the tiny model 512 x 11 + 2
-155 -> 61 ms. The estimate is a little optimistic: on SmolLM2-135M itself (one prompt's samples,
-fwd+bwd of the window's log-probs) it said 0.20 / 0.41 / 0.56 / 0.60 / 0.80 / 0.94 of the rows'
-cost where packing measured 0.24 / 0.51 / 0.64 / 0.69 / 0.86-0.89 / 0.99 (context 199 + 8 windows
-of 17, 35 + 16 x 17, 99 + 8 x 65, 35 + 8 x 33, 35 + 8 x 65 and 4 x 65, 35 + 8 x 129); it never
-cost more than the rows. Up to 4 windows per packed row the estimate was at most 0.09 short, so
-``MIN_SAVING`` of 0.15 packs where the measured saving is at least about 6%.
+How many windows go into one packed row is a trade: the context is computed once, but attention
+scores grow with the square of the length (a window only reads its own part, yet the kernel
+computes every pair). A token's projections and MLP cost about as much as ``PAIRS_PER_TOKEN`` x
+hidden size attention pairs (sdpa with a mask, CPU: measured 4-6 on the tiny model and on
+SmolLM2-135M's layer shape), so a context of ``c`` tokens followed by windows of ``w`` costs least
+per window with about ``sqrt(c^2 + rho c) / w`` of them, ``rho`` being that many pairs. Measured
+fwd+bwd on SmolLM2-135M's layer shape (2 cores, rows x prompt + response): 64 x 200 + 16 tokens
+12.7 -> 4.7 s, 512 x 11 + 2 9.7 -> 5.5 s; on the tiny model 512 x 11 + 2 155 -> 61 ms. The
+estimate is a little optimistic: on SmolLM2-135M itself (one prompt's samples, fwd+bwd of the
+window's log-probs) it said 0.20 / 0.41 / 0.56 / 0.60 / 0.80 / 0.94 of the rows' cost where packing
+measured 0.24 / 0.51 / 0.64 / 0.69 / 0.86-0.89 / 0.99 (context 199 + 8 windows of 17, 35 + 16 x 17,
+99 + 8 x 65, 35 + 8 x 33, 35 + 8 x 65 and 4 x 65, 35 + 8 x 129); it never cost more than the rows.
+Up to 4 windows per packed row the estimate was at most 0.09 short, so ``MIN_SAVING`` of 0.15
+packs where the measured saving is at least about 6%.
 
 Applies where the mask means what it says: sdpa attention (a custom 4D mask goes to the kernel
 as given), full attention in every layer (a sliding window would be lost), and windows without
-padding; and only where the estimate saves ``MIN_SAVING`` of the cost. A packed row holds at
-most ``MAX_PACKED_LENGTH`` tokens (memory for its mask and scores). Everything else returns None
-and takes the row-by-row forward.
+padding; and only where the estimate saves ``MIN_SAVING``. A packed row holds at most
+``MAX_PACKED_LENGTH`` tokens (memory for its mask and scores).
 """
 
 from __future__ import annotations
@@ -88,9 +84,8 @@ def pack(
     pairs: float,
 ) -> PackedBatch | None:
     """The packed layout of a batch whose rows end in a ``width``-token window, or None where
-    packing does not apply or save ``MIN_SAVING`` of the estimated cost (``pairs``: attention
-    pairs per token, ``pairs_per_token``). Planned on the CPU: a few index operations on the
-    ids, whatever device the model is on."""
+    packing does not apply or save ``MIN_SAVING`` (``pairs``: ``pairs_per_token``). Planned on the
+    CPU, whatever device the model is on: a few index operations on the ids."""
     sequences, attention_mask, position_ids = sequences.cpu(), attention_mask.cpu(), position_ids.cpu()
     rows, total = sequences.shape
     split = total - width
@@ -155,9 +150,9 @@ def packed_window_logits(
     width: int,
     pairs: float,
 ) -> tuple[torch.Tensor, Any] | None:
-    """``model``'s logits ``[B, width, V]`` of every row's last ``width`` positions and the model's
-    output, computed on packed rows; None where packing does not apply (see the module).
-    ``pairs``: ``pairs_per_token(model)``, asked once per model by the caller."""
+    """``model``'s logits ``[B, width, V]`` of every row's last ``width`` positions and its output,
+    computed on packed rows; None where packing does not apply. ``pairs``:
+    ``pairs_per_token(model)``, asked once per model by the caller."""
     packed = pack(sequences, attention_mask, position_ids, width, pairs)
     if packed is None:
         return None

@@ -1,17 +1,9 @@
 """Everything SkyRL 0.4 needs to run its real FSDP workers on a machine without CUDA.
 
-SkyRL's workers assume CUDA in a handful of places (process-group backend, device
-meshes, ``torch.cuda.*`` device calls). On CPU those are the only obstacles besides
-the missing flash-attn (``compat/flash_attn.py``): the math is device-agnostic. This
-module is the one place that knows about them. ``apply()`` installs every patch, is
-idempotent, and does nothing when CUDA is available; ``compat``'s table applies it in the driver
-and in every Ray worker of a CPU run. The upstream change that retires it: a device setting in
-SkyRL's workers (``cpu`` beside ``cuda``, gloo beside NCCL), as torch's own FSDP examples have.
-
-No patch changes numerics: each one only redirects a device choice ("cuda" to
-"cpu") or turns a CUDA-only synchronisation into a no-op.
-Each ``Patch`` names the SkyRL source that needs it, so the tests can fail loudly
-when a SkyRL upgrade stops needing (or changes) one.
+SkyRL's workers assume CUDA in a handful of places (process-group backend, device meshes,
+``torch.cuda.*`` device calls); besides the missing flash-attn (``flash_attn.py``) those are the
+only obstacles on CPU: the math is device-agnostic. No patch changes numerics: each redirects a
+device choice ("cuda" to "cpu") or turns a CUDA-only synchronisation into a no-op.
 """
 
 from __future__ import annotations
@@ -22,16 +14,12 @@ import torch
 
 from rllm_skyrl.compat.patch import Patch
 
-# --- the patches ---------------------------------------------------------------------------
-
 
 def _gloo_process_group() -> None:
     """SkyRL asks for ``cpu:gloo,cuda:nccl``; NCCL cannot initialise without a GPU."""
     import torch.distributed as dist
 
     original = dist.init_process_group
-    if getattr(original, "_rllm_skyrl_patched", False):
-        return
 
     @functools.wraps(original)
     def init_process_group(backend=None, *args, **kwargs):
@@ -39,23 +27,18 @@ def _gloo_process_group() -> None:
             backend = "gloo"
         return original(backend, *args, **kwargs)
 
-    init_process_group._rllm_skyrl_patched = True
     dist.init_process_group = init_process_group
 
 
 def _cpu_device_mesh() -> None:
-    """Device meshes are built for "cuda"; build them on "cpu" instead."""
     import torch.distributed.device_mesh as device_mesh
 
     original = device_mesh.init_device_mesh
-    if getattr(original, "_rllm_skyrl_patched", False):
-        return
 
     @functools.wraps(original)
     def init_device_mesh(device_type, *args, **kwargs):
         return original("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
 
-    init_device_mesh._rllm_skyrl_patched = True
     device_mesh.init_device_mesh = init_device_mesh
     # fsdp_utils imported the name directly, so rebind it there too.
     from skyrl.backends.skyrl_train.distributed import fsdp_utils
@@ -68,7 +51,6 @@ def _cuda_set_device_noop() -> None:
 
 
 def _cuda_current_device_cpu() -> None:
-    """Tensors moved to ``torch.cuda.current_device()`` stay on the CPU."""
     torch.cuda.current_device = lambda: torch.device("cpu")
 
 
@@ -79,21 +61,16 @@ def _cuda_synchronize_noop() -> None:
 
 def _tensor_cuda_identity() -> None:
     """``buf.cuda()`` (used to broadcast buffers between ranks) keeps the tensor where it is."""
-    if getattr(torch.Tensor.cuda, "_rllm_skyrl_patched", False):
-        return
 
     def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
         return self
 
-    cuda._rllm_skyrl_patched = True
     torch.Tensor.cuda = cuda
 
 
 def _empty_on_cpu() -> None:
     """Receive buffers allocated with ``device="cuda"`` are allocated on the CPU."""
     original = torch.empty
-    if getattr(original, "_rllm_skyrl_patched", False):
-        return
 
     @functools.wraps(original)
     def empty(*args, device=None, **kwargs):
@@ -101,7 +78,6 @@ def _empty_on_cpu() -> None:
             device = "cpu"
         return original(*args, device=device, **kwargs)
 
-    empty._rllm_skyrl_patched = True
     torch.empty = empty
 
 
@@ -135,7 +111,7 @@ _applied = False
 
 
 def apply() -> None:
-    """Install every patch (once per process), only when CUDA is absent."""
+    """Install every patch, once per process (the patches themselves do not check), only without CUDA."""
     global _applied
     if _applied or torch.cuda.is_available():
         return

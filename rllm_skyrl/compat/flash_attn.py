@@ -3,14 +3,10 @@
 SkyRL's model wrapper imports ``flash_attn.bert_padding`` at module level, whatever
 ``trainer.flash_attn`` says, so its FSDP workers cannot even be imported without flash-attn. PyPI
 has no flash-attn wheels (only a source distribution that compiles against the installed torch),
-so a CPU machine never has it and a CUDA machine only has it when the user added it. Without it
-SkyRL runs with sdpa attention (``trainer.flash_attn=false``) and unpadded micro-batches off
+so a CPU machine never has it and a CUDA machine only when the user added it. Without it SkyRL
+runs sdpa attention (``trainer.flash_attn=false``) and unpadded micro-batches off
 (``trainer.remove_microbatch_padding=false``, the only user of the stubbed helpers);
 ``Platform.skyrl_overrides`` sets both, this module only makes the import succeed.
-
-A bug fix, so it applies on CUDA too (without flash-attn): the upstream change that retires it is
-importing ``flash_attn.bert_padding`` in ``model_wrapper.py`` only where
-``remove_microbatch_padding`` uses it.
 """
 
 from __future__ import annotations
@@ -31,9 +27,7 @@ def _unavailable(*_args, **_kwargs):
 
 
 def _install_stub() -> None:
-    """Put ``flash_attn`` and ``flash_attn.bert_padding`` into ``sys.modules``.
-
-    ``flash_attn.ops`` stays absent, so SkyRL's optional fused cross-entropy import keeps falling
+    """``flash_attn.ops`` stays absent, so SkyRL's optional fused cross-entropy import keeps falling
     back to its torch implementation. A spec without an origin keeps ``importlib.util.find_spec``
     working while transformers' availability check (it reads the distribution metadata) still
     reports flash-attn absent, so nothing selects flash-attention kernels by accident.

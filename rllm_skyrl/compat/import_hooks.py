@@ -1,8 +1,7 @@
 """Running chosen modules through our own step instead of their loader's ``exec_module``.
 
-Two patch sets need to act at the moment a third-party module is imported, wherever the import
-comes from: ``lazy_imports`` (the module is created, its code runs later) and ``transformers_import_cache``
-(transformers' module runs, then one of its functions is wrapped before anyone binds it).
+For the sets that must act when a third-party module is imported, wherever the import comes from:
+``lazy_imports`` and ``transformers_import_cache``.
 """
 
 from __future__ import annotations
@@ -52,8 +51,5 @@ class HookFinder(importlib.abc.MetaPathFinder):
 
 def install(finder: HookFinder) -> None:
     """First on ``sys.meta_path``, once per ``finder.name``."""
-    if not any(
-        getattr(other, "name", None) == finder.name and isinstance(other, HookFinder)
-        for other in sys.meta_path
-    ):
+    if not any(isinstance(other, HookFinder) and other.name == finder.name for other in sys.meta_path):
         sys.meta_path.insert(0, finder)

@@ -1,16 +1,13 @@
 """Packages SkyRL's modules import at their top and a run mostly never uses: run on first use instead.
 
-A training worker's start is the longest chain of a run's start-up (Ray, then the worker's
-imports, then its model), and its imports are most of it; the driver's imports share the same two
-cores. Three of them serve nothing a worker does, and the driver only sometimes: wandb
-(``skyrl.utils.log``; used by the driver's tracker when it logs to wandb), HF ``datasets``
-(``transformers.trainer``, which SkyRL's FSDP strategy imports for one scheduler function;
-``datasets`` brings pyarrow and more, for ``isinstance`` checks in a ``Trainer`` nobody builds)
-and pandas (``skyrl_gym``'s SQL tool, reached through the environment configs of SkyRL's config
-module). With this set, those names are bound to modules whose code runs on the first lookup of
-a name they define (``DeferredModule``): a process that uses one gets it, complete, at that
-moment. Applied before any SkyRL module is imported: first in the workers' set-up hook, at the
-start of a run in the driver.
+A training worker's imports are most of the longest chain of a run's start-up (Ray, the worker's
+imports, its model). Three serve nothing a worker does and the driver only sometimes: wandb
+(``skyrl.utils.log``, for the driver's tracker when it logs to wandb), HF ``datasets``
+(``transformers.trainer``, imported by SkyRL's FSDP strategy for one scheduler function; it brings
+pyarrow and more for ``isinstance`` checks in a ``Trainer`` nobody builds) and pandas
+(``skyrl_gym``'s SQL tool, reached through SkyRL's config module). Their code runs at the first
+lookup of a name they define (``DeferredModule``), so a process that uses one gets it complete.
+Applied before any SkyRL module is imported.
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ def _run(module: types.ModuleType) -> None:
 
 
 def _defer(module: types.ModuleType, loader: importlib.abc.Loader) -> None:
-    """Created now, run on first use (``DeferredModule``)."""
     path = module.__dict__.pop("__path__", None)
     module.__spec__.loader_state = {"lock": threading.RLock(), "path": path}
     module.__class__ = DeferredModule

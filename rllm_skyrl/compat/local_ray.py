@@ -1,33 +1,23 @@
 """A CPU run's local Ray: the head node's daemons a run uses, in a process of its own.
 
-A patch set (``compat``'s ``local_ray``): it starts Ray's head ``Node`` through Ray's private
-classes, so it applies only to the Ray version it was verified on, and only on a machine without
-an NVIDIA driver and without a cluster to join; elsewhere ``runtime.start_ray`` calls ``ray.init``.
+Built on Ray's private classes, so the ``local_ray`` set applies only on the Ray it was verified
+on, without an NVIDIA driver or a cluster to join; elsewhere ``runtime.start_ray`` calls ``ray.init``.
 
-``ray.init`` on a machine without a cluster starts more than a run needs, and waits for it: the
-dashboard head (even with ``include_dashboard=False``, which only trims its modules; ``ray.init``
-waits for its URL), the autoscaler monitor (there is nothing to scale) and the log monitor (it
-forwards worker output to drivers, and ours connect with ``log_to_driver=False``; the logs stay in
-the session's files). On two cores those three took 3-4 core-seconds and held up the start by
-their imports; the dashboard head and the monitor also served Prometheus metrics without
-authentication on every interface (ports 44227 and 44217). ``main`` starts Ray's head ``Node``
-with the same resources and system config ``ray.init`` would give it, but without them, and its
-dashboard agent in Ray's minimal mode (the one a ``ray`` install without ``[default]`` runs: no
-HTTP or metrics servers of its own): the GCS, the raylet and its two agents remain, which is what
-actors, named actors, placement groups and runtime envs need. The node is up as soon as the
-raylet has registered (see ``start_head``): 0.78 s on a quiet machine where ``ray.init``'s own
-wait made it 1.26 s, and at a run's start, with the driver importing beside it, the driver finds
-it up when it first asks (it waited 1.2 s for it before).
+``ray.init`` starts, and waits for, the dashboard head (even with ``include_dashboard=False``,
+which only trims its modules), the autoscaler monitor (nothing to scale) and the log monitor (our
+drivers connect with ``log_to_driver=False``; the logs stay in the session's files). On two cores
+those took 3-4 core-seconds and held up the start by their imports; the dashboard head and the
+monitor also served Prometheus metrics without authentication on every interface (ports 44227 and
+44217). Here the head ``Node`` gets the resources and system config ``ray.init`` would give it, but
+none of those three, and a dashboard agent in Ray's minimal mode (no HTTP or metrics servers): the
+GCS, the raylet and its two agents are what actors, placement groups and runtime envs need. The
+node is up 0.78 s after the start on a quiet machine where ``ray.init`` took 1.26 s; launched at a
+run's first line (``training_run.train``), beside the driver's imports, it is up when the driver
+first asks (it waited 1.2 s before).
 
-``launch`` starts ``python -m rllm_skyrl.compat.local_ray`` (``training_run.train`` does so at a
-run's first line, beside the driver's imports; ``runtime.start_ray`` when nothing was launched),
-which prints the GCS address once the node is up; drivers connect to it with the run's token and
-runtime env.
-
-The process stops Ray when ``stop`` asks it to, or within half a second of the driver's end,
-however it ends: it polls its parent, which survives a SIGKILL where a parent-death signal would
-be tied to the thread that forked it. It ignores Ctrl-C (and runs in a session of its own, out of
-the terminal's reach): stopping on one is the driver's to decide.
+The process stops Ray when ``stop`` asks, or within half a second of the driver's end however it
+ends: it polls its parent, which survives a SIGKILL where a parent-death signal would be tied to
+the thread that forked it. Ctrl-C is the driver's to act on, not this process's.
 """
 
 from __future__ import annotations
@@ -58,12 +48,9 @@ REGISTRATION_TIMEOUT_SECONDS = 30.0
 
 
 def token_env(token: str) -> dict[str, str]:
-    """What makes a local Ray refuse every client without ``token``.
-
-    Ray 2.57's gRPC servers and agents listen on every interface, with no setting to bind them to
-    loopback; with Ray's token authentication they refuse anyone without the token, and the
-    raylet's Prometheus exporter is not started (the two daemons that served metrics without
-    authentication are not started at all, see ``start_head``).
+    """What makes a local Ray refuse every client without ``token``: Ray 2.57's gRPC servers and
+    agents listen on every interface, with no setting to bind them to loopback. Without metrics
+    collection the raylet's Prometheus exporter is not started either.
     """
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_enable_metrics_collection": "0"}
 
@@ -71,8 +58,8 @@ def token_env(token: str) -> dict[str, str]:
 def require_token(token: str | None = None) -> str:
     """This process's Ray clients and the Ray it starts use ``token`` (a new one by default).
 
-    Ray reads these settings once, when it is imported, hence the re-read. Workers inherit the
-    token from the raylet.
+    Ray reads these settings when it is imported, hence the re-read. Workers inherit the token from
+    the raylet.
     """
     import ray
 
@@ -85,8 +72,6 @@ def require_token(token: str | None = None) -> str:
 
 @dataclass
 class LocalRay:
-    """The process running a run's local Ray, and what it was started with."""
-
     process: subprocess.Popen
     token: str = field(repr=False)
     init_args: dict[str, Any]
@@ -203,11 +188,11 @@ def stop(local: LocalRay | None = None) -> None:
 
 def start_head(init_args: dict[str, Any]):
     """Ray's head ``Node`` as ``ray.init(**init_args)`` starts it, without the dashboard head, the
-    autoscaler monitor and the log monitor, and with a minimal dashboard agent; returns the node.
+    autoscaler monitor and the log monitor, and with a minimal dashboard agent.
 
-    Ray's own classes and settings (``RayParams.no_monitor``, ``include_log_monitor``); the dashboard
-    head has no setting, so this node's ``start_api_server`` starts nothing, and the agents' minimal
-    mode is Ray's choice where its dashboard dependencies are missing, here made on purpose.
+    The dashboard head has no setting, so this node's ``start_api_server`` starts nothing; the
+    agent's minimal mode is Ray's choice where its dashboard dependencies are missing, made here on
+    purpose.
     """
     from ray._common.usage import usage_lib
     from ray._private import services
@@ -227,11 +212,10 @@ def start_head(init_args: dict[str, Any]):
             """No dashboard head: nothing of a run's asks it anything."""
 
         def start_raylet(self, *args, **kwargs) -> None:
-            """The raylet registers the node once both agents have filed their ports. The minimal
-            dashboard agent files -1 (no metrics, no HTTP) when it has imported Ray and its
-            modules, which on two busy cores held the node back by seconds; filed here first (the
-            same values, which the agent then writes again), the node waits for the runtime-env
-            agent only, which it needs."""
+            """The raylet registers the node once both agents have filed their ports; the minimal
+            dashboard agent files -1 only after importing Ray and its modules, seconds on two busy
+            cores. Filed here first (the agent writes the same values again), the node waits for
+            the runtime-env agent only, which it needs."""
             for name in (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, DASHBOARD_AGENT_LISTEN_PORT_NAME):
                 persist_port(self._session_dir, self._node_id, name, -1)
             super().start_raylet(*args, **kwargs)

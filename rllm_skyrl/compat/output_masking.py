@@ -1,9 +1,7 @@
 """Secrets masked in everything this process prints: its console streams, log records, tracebacks.
 
-A patch set (``compat``'s ``output_masking``): it wraps ``sys.stdout`` and ``sys.stderr``, chains
-``sys.excepthook``, adds a filter to the logging handlers and a patcher to loguru, all fed by
-``secret_masking.MASKER``. Entry points call ``mask_process_output`` first thing; anything that
-learns a new secret (a server token) hands it to ``mask``.
+All fed by ``secret_masking.MASKER``. Entry points call ``mask_process_output`` first thing;
+anything that learns a new secret (a server token) hands it to ``mask``.
 """
 
 from __future__ import annotations
@@ -33,14 +31,12 @@ def apply() -> None:
         stream = getattr(sys, name)
         if not isinstance(stream, MaskedStream):
             setattr(sys, name, MaskedStream(stream, MASKER))
-    original = sys.excepthook
 
     def excepthook(kind, value, traceback) -> None:
         import traceback as tb
 
         sys.stderr.write(MASKER.mask("".join(tb.format_exception(kind, value, traceback))))
 
-    excepthook.original = original
     sys.excepthook = excepthook
     try:
         from loguru import logger as loguru_logger
@@ -55,7 +51,6 @@ def apply() -> None:
 
 
 def mask(values: Iterable[str]) -> SecretMasker:
-    """Mask ``values`` in everything this process prints from now on."""
     MASKER.add(values)
     if compat.apply(["output_masking"]):
         _cover_log_handlers()

@@ -1,19 +1,16 @@
 """SkyRL's function registries shared through Ray's key-value store instead of two named actors.
 
-SkyRL shares its policy-loss and advantage-estimator registries between the driver and every
-worker through one named Ray actor each, so that a function registered in the driver (a custom
-loss) is found in the workers. Each actor is a Ray worker process of its own, holding a dict: on
-two cores the two took 2-5 core-seconds of a run's start-up and two of Ray's worker-start slots
-(the training worker's own start waited behind them), and every process that imported SkyRL's
-losses with Ray up made a round trip to them per built-in function. Ray's GCS already keeps a
-key-value store that every process of the run reaches (``ray.experimental.internal_kv``, also
-across nodes): with this set a registry's store is a namespace there answering the actor's four
-calls, and SkyRL's own register / get / sync / unregister code runs unchanged around it.
+SkyRL shares its policy-loss and advantage-estimator registries between the driver and the
+workers (so a custom loss registered in the driver is found in them) through a named Ray actor
+each: a worker process holding a dict. On two cores the two took 2-5 core-seconds of start-up and
+two of Ray's worker-start slots (the training worker waited behind them), and every process that
+imported SkyRL's losses with Ray up made a round trip per built-in function. Here a registry is a
+namespace of the GCS key-value store every process reaches (``ray.experimental.internal_kv``, also
+across nodes) answering the actor's four calls; SkyRL's register / get / sync / unregister code
+runs unchanged around it.
 
-The built-in functions are registered when ``ppo_utils`` is imported, in every process: ``apply``
-imports it (where nothing has yet) with those registrations kept local, as they are without Ray,
-then installs the store. Functions registered once Ray is up, and the local ones a sync pushes,
-reach the store as they reached the actor.
+``ppo_utils`` registers the built-ins when imported, in every process: ``apply`` imports it first
+with those registrations kept local, as without Ray, then installs the store.
 """
 
 from __future__ import annotations

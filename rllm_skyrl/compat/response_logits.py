@@ -1,25 +1,20 @@
 """Compute the policy's logits only where the loss reads them, and a shared prompt only once.
 
-SkyRL's ``HFModelWrapper.forward`` runs the LM head, a log-softmax over the whole vocabulary
-and (for the entropy metric) a softmax at every position of every sequence, then keeps the
-last ``num_actions + 1`` positions. The prompt positions are thrown away, yet at a 49K
-vocabulary they are a large share of a training step (SmolLM2-135M, 8 rows of 35 prompt and
-64 response tokens: 7% of the forward-backward; the tiny quickstart model: 30%).
+SkyRL's ``HFModelWrapper.forward`` runs the LM head, a full-vocabulary log-softmax and (for the
+entropy metric) a softmax at every position, then keeps the last ``num_actions + 1``. At a 49K
+vocabulary the discarded prompt positions are a large share of a step (SmolLM2-135M, 8 rows of 35
+prompt and 64 response tokens: 7% of the forward-backward; the tiny quickstart model: 30%).
 
-The patch asks the model for those positions only (transformers' ``logits_to_keep``) and then
-computes the log-probs and the entropy with SkyRL's own functions (the log-probs' log-sum-exp
-over chunks of rows rather than row by row, ``_label_logprobs``), exactly as the original does
-on them: the response's log-probs are bit-identical and the entropy's window is the same
-(``test_compat.py`` checks both against the unpatched forward). Outside the window the
-returned entropy is zero, as SkyRL's is at padded positions; SkyRL reads only the window.
+Here the model computes those positions only (transformers' ``logits_to_keep``) and SkyRL's own
+functions give the log-probs and entropy on them: the response's log-probs are bit-identical and
+the entropy's window the same (``test_compat.py`` checks both against the unpatched forward).
+Outside the window the entropy is zero, as SkyRL's is at padded positions; SkyRL reads only the
+window. Rows sharing their context (a prompt's samples) go through ``context_packing`` where that
+pays: the same logits up to float rounding, so bit-identical holds without shared contexts.
 
-Rows whose context before the window is the same (a prompt's samples) are computed as one
-packed row where that pays (``context_packing``): the same logits up to float rounding, so the
-bit-identical claim above holds for batches without shared contexts.
-
-The shortcut applies to the plain path: no sample packing, sequence parallelism, VLM inputs or
-sample-support replay, and a model whose ``forward`` takes ``logits_to_keep``. Everything
-else goes to SkyRL's forward unchanged. Applied on every platform: the waste is the same on GPU.
+Only the plain path takes the shortcut (no sample packing, sequence parallelism, VLM inputs or
+sample-support replay; a model whose ``forward`` takes ``logits_to_keep``); the rest goes to
+SkyRL's forward unchanged.
 """
 
 from __future__ import annotations
@@ -40,23 +35,24 @@ _WRAPPER = "skyrl.backends.skyrl_train.workers.model_wrapper"
 LOGSUMEXP_CHUNK = 1 << 18
 
 
+def _base_model(wrapper: Any) -> Any:
+    """The wrapped causal LM, under PEFT's wrapper if LoRA."""
+    model = wrapper.model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def _takes_logits_to_keep(wrapper: Any) -> bool:
-    """Whether the wrapped causal LM (under PEFT's wrapper, if LoRA) can skip positions."""
     cached = getattr(wrapper, "_rllm_skyrl_logits_to_keep", None)
     if cached is None:
-        model = wrapper.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        cached = "logits_to_keep" in inspect.signature(base.forward).parameters
+        cached = "logits_to_keep" in inspect.signature(_base_model(wrapper).forward).parameters
         wrapper._rllm_skyrl_logits_to_keep = cached
     return cached
 
 
 def _pairs_per_token(wrapper: Any) -> float | None:
-    """``context_packing.pairs_per_token`` of the wrapped model (None: rows are not packed)."""
+    """None: rows are not packed."""
     if not hasattr(wrapper, "_rllm_skyrl_pairs_per_token"):
-        model = wrapper.model
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        wrapper._rllm_skyrl_pairs_per_token = context_packing.pairs_per_token(base)
+        wrapper._rllm_skyrl_pairs_per_token = context_packing.pairs_per_token(_base_model(wrapper))
     return wrapper._rllm_skyrl_pairs_per_token
 
 
@@ -64,10 +60,9 @@ def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """SkyRL's ``logprobs_from_logits``, with its fallback's log-sum-exp taken over chunks of rows.
 
     Without flash-attn's CUDA kernel SkyRL takes one ``logsumexp`` per row (to bound memory): over
-    a window of a few positions that is a batch's worth of tiny kernels, forward and backward
-    (the quickstart's 512 rows: 40 ms against 7 ms in chunks). Chunks of ``LOGSUMEXP_CHUNK``
-    elements bound memory the same way (a row larger than that is still taken alone) and give
-    the same values bit for bit: each row's reduction is unchanged.
+    a window of a few positions, a batch's worth of tiny kernels (the quickstart's 512 rows: 40 ms
+    against 7 ms in chunks). Chunks of ``LOGSUMEXP_CHUNK`` elements bound memory the same way and
+    give the same values bit for bit: each row's reduction is unchanged.
     """
     from skyrl.backends.skyrl_train.utils.torch_utils import (
         FLASH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE,

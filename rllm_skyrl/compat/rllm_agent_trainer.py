@@ -2,9 +2,7 @@
 
 rLLM's ``AgentTrainer`` picks its launcher with an if/elif over backend names and has no table to
 add one to, so its constructor is wrapped in place (code that imported the class already sees the
-change): ``backend="skyrl"``, or a config composed with ``rllm/backend=skyrl``, builds the launcher
-given to ``install``; every other value runs rLLM's constructor untouched. Retired by a backend
-registry in rLLM (entry points).
+change); every other backend runs rLLM's constructor untouched.
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 
 rLLM's ``UnifiedTrainer`` draws a rich table of every metric after each step whatever
 ``rllm.trainer.logger`` says. With the output moved to ``trainer_output.log`` nobody sees it drawn,
-yet laying out its ~90 rows took about a tenth of a quickstart step on the driver. Inside
-``plain_tables`` the trainer module's name is bound to a writer of the same rows as text, and
-rebound to rLLM's function on the way out. Retired by rLLM printing the table only for ``console``.
+yet laying out its ~90 rows took about a tenth of a quickstart step on the driver.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ NAME = "print_metrics_table"
 
 
 def write_metrics(metrics: Mapping[str, Any], step: int, title: str | None = None) -> None:
-    """The table's rows, one ``name value`` line each, under its title."""
     width = max((len(key) for key in metrics), default=0)
     lines = [title or f"Step {step}"]
     lines += [

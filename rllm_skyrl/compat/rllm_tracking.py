@@ -3,7 +3,7 @@
 rLLM's trainer builds its ``Tracking`` from the names in ``rllm.trainer.logger`` and takes no
 logger object, but ``Tracking.log`` hands every record to each entry of its ``logger`` table, so
 the sinks are added to that table: no rLLM method is replaced. The fallback trainer's logger has
-the same table. Retired by a way to pass logger objects to rLLM's trainer.
+the same table.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ class Sink(Protocol):
 
 
 def add_sinks(tracking: Any, **sinks: Sink) -> bool:
-    """Add ``sinks`` by name to ``tracking``'s table of loggers, after the trainer's own.
-
-    A trainer logger without the table (an rLLM version that logs differently) trains on without
-    them, with one warning; returns whether they were added.
-    """
+    """Add ``sinks`` after the trainer's own loggers; returns whether they were added (a trainer
+    logger without the table, an rLLM version that logs differently, trains on without them)."""
     table = getattr(tracking, "logger", None)
     if not isinstance(table, dict):
         logger.warning(

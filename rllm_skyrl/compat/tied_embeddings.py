@@ -1,24 +1,19 @@
 """Keep tied input and output embeddings tied through SkyRL's FSDP2 set-up.
 
 SkyRL's ``FSDPStrategy._fsdp_init_model`` moves the loaded model to the meta device before
-sharding it. ``Module.to("meta")`` gives every module its own new parameter, so the one tensor
-``lm_head.weight`` and ``model.embed_tokens.weight`` shared (``tie_word_embeddings``) becomes
-two, and the trainer then trains a model with an untied head. No server can follow: vLLM builds
-such a model tied (its weight loader keeps one of the two tensors), and the exported
-checkpoint still says ``tie_word_embeddings=true``. Rollout and trainer logprobs drift apart a
-little more every step.
+sharding it, and ``Module.to("meta")`` gives every module its own new parameter: the one tensor
+``lm_head.weight`` and ``model.embed_tokens.weight`` shared becomes two, and the trainer trains an
+untied head. No server can follow (vLLM builds such a model tied, and the exported checkpoint
+still says ``tie_word_embeddings=true``): rollout and trainer logprobs drift apart every step.
 
-The patch re-ties, with transformers' own ``tie_weights`` over the pairs it tied when it loaded
-the model (``all_tied_weights_keys``, so a checkpoint that was loaded untied stays untied), at the
-two places SkyRL's set-up splits them:
+Re-tied with transformers' own ``tie_weights`` over the pairs it tied at load time (a checkpoint
+loaded untied stays untied), at the two places SkyRL's set-up splits them:
 
 - before ``apply_fsdp2`` (after the meta move), so FSDP2 shards the shared parameter once and
   gathers one tensor for both modules in every forward;
 - after ``fsdp2_load_full_state_dict``, whose ``load_state_dict(assign=True)`` hands each name
   its own new tensor again (FSDP2 re-shares them only at the first forward, after SkyRL has
   already built the optimizer over both), so the optimizer sees the shared parameter once.
-
-Applied on every platform: the split is not CUDA-specific.
 """
 
 from __future__ import annotations

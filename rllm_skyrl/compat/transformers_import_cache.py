@@ -1,22 +1,19 @@
 """transformers' two import-time indexes, kept in a file per Python environment.
 
 On import, transformers builds two tables that depend only on what is installed, in each of a
-run's processes that import it (the driver, the training worker, the CPU server), all of them
-during start-up and in the training worker on the chain that ends at the first step:
+run's processes that import it (driver, training worker, CPU server), all during start-up and in
+the training worker on the path to the first step:
 
 - the map of every top-level import name to the distributions that install it
-  (``importlib.metadata.packages_distributions``), to look package versions up later: Python
-  builds it from every installed distribution's file list, checking that each listed file exists
-  (about 0.55 CPU-seconds here);
-- the table of the names each of its ~1,500 model modules exports, from which
-  ``from transformers import X`` is resolved lazily (``define_import_structure``): it reads every
+  (``importlib.metadata.packages_distributions``): Python builds it from every installed
+  distribution's file list, checking that each listed file exists (about 0.55 CPU-seconds here);
+- the names each of its ~1,500 model modules exports (``define_import_structure``): it reads every
   one of those files, twice in a process that loads a model (for the package and for
   ``transformers.models``), about 0.39 s each here.
 
-A distribution's install, upgrade or removal creates or removes its metadata directory: with this
-set each table is read from a file named after those directories and their modification times, and
-built by its own function (then written atomically) when there is none. A distribution not kept in
-a directory on the path (none in a pip or uv environment) turns the files off.
+A distribution's install, upgrade or removal creates or removes its metadata directory, so each
+table is kept in a file named after those directories and their modification times. A distribution
+not kept in a directory on the path (none in a pip or uv environment) turns the files off.
 """
 
 from __future__ import annotations
@@ -88,9 +85,6 @@ def load_or_build[T](
     return value
 
 
-# ------------------------------------------------------------------------ the distribution map
-
-
 def cached(build: Callable[[], dict[str, list[str]]]) -> Callable[[], dict[str, list[str]]]:
     @functools.wraps(build)
     def packages_distributions() -> dict[str, list[str]]:
@@ -105,13 +99,11 @@ def _install_package_map() -> None:
         importlib.metadata.packages_distributions = cached(importlib.metadata.packages_distributions)
 
 
-# ------------------------------------------------------------------------ the model-module table
-
 Structure = dict[frozenset[str], dict[str, set[str]]]
 
 
 def encode_structure(structure: Structure) -> list:
-    """JSON for ``{backends: {module: names}}``: frozensets and sets as sorted lists."""
+    """Frozensets and sets as sorted lists."""
     return [
         [sorted(backends), {module: sorted(names) for module, names in modules.items()}]
         for backends, modules in structure.items()
