@@ -32,8 +32,7 @@ tree         dotted lookups on a composed config
 from rllm_skyrl.run_config.aliases import trainer_keys_behind, with_aliases
 from rllm_skyrl.run_config.bridge import BRIDGE, skyrl_overrides
 from rllm_skyrl.run_config.lora import LoraSettings
-from rllm_skyrl.run_config.model_paths import BUILTIN_MODELS, resolve_model_path
-from rllm_skyrl.run_config.resolve import RESUME_MODES, resolve_run_config, roles_for
+from rllm_skyrl.run_config.resolve import resolve_run_config, roles_for
 from rllm_skyrl.run_config.settings import (
     CheckpointSettings,
     ConfigError,
@@ -41,22 +40,17 @@ from rllm_skyrl.run_config.settings import (
     RunConfig,
 )
 from rllm_skyrl.run_config.skyrl import make_skyrl_config
-from rllm_skyrl.run_config.tree import select
 
 __all__ = [
     "BRIDGE",
-    "BUILTIN_MODELS",
-    "RESUME_MODES",
     "CheckpointSettings",
     "ConfigError",
     "InferenceSettings",
     "LoraSettings",
     "RunConfig",
     "make_skyrl_config",
-    "resolve_model_path",
     "resolve_run_config",
     "roles_for",
-    "select",
     "skyrl_overrides",
     "trainer_keys_behind",
     "with_aliases",

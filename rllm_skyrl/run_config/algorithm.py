@@ -128,11 +128,7 @@ def _losses(
         "critic_loss": critic_loss,
         "role_losses": role_losses,
         "loss_reduction": reduction,
-        "extra": {
-            "loss_fn": named,
-            "loss_fn_config": loss_fn_config,
-            "critic_loss_fn_config": critic_loss_fn_config,
-        },
+        "extra": {"loss_fn": named, "loss_fn_config": loss_fn_config},
     }
 
 

@@ -39,10 +39,6 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _betas(values: list[Any]) -> list[Any]:
-    return list(values)
-
-
 def _kl_on(beta: Any) -> bool:
     """rLLM's kl_beta is a coefficient; SkyRL needs the loss switched on as well (it adds a ref model)."""
     return float(beta) > 0.0
@@ -116,8 +112,8 @@ BRIDGE: tuple[Pair, ...] = (
     Pair("training.weight_decay", _CRITIC + "optimizer_config.weight_decay"),
     Pair("training.max_grad_norm", _POLICY + "optimizer_config.max_grad_norm"),
     Pair("training.max_grad_norm", _CRITIC + "optimizer_config.max_grad_norm"),
-    Pair(_BETAS, _POLICY + "optimizer_config.adam_betas", _betas),
-    Pair(_BETAS, _CRITIC + "optimizer_config.adam_betas", _betas),
+    Pair(_BETAS, _POLICY + "optimizer_config.adam_betas"),
+    Pair(_BETAS, _CRITIC + "optimizer_config.adam_betas"),
     Pair("training.update_epochs", "trainer.update_epochs_per_batch"),
     Pair("training.default_local_dir", "trainer.ckpt_path"),
     Pair("inference.num_engines", "generator.inference_engine.num_engines"),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rllm_skyrl.run_config.bridge import disagreement
+from rllm_skyrl.run_config.tree import select
 
 ALL_LINEAR = "all-linear"
 _POLICY = "trainer.policy.model.lora."
@@ -125,8 +126,6 @@ def resolve_lora(
     whose config cannot be read; targets that need it are then an error. Raises ``ValueError``
     naming the key to change.
     """
-    from rllm_skyrl.run_config.tree import select
-
     _refuse_critic_and_ref_lora(overrides)
     rank = overrides.get(_POLICY + "rank", 0)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -225,8 +224,6 @@ def _targets(
 
 def _explicit_targets(cfg: Any, overrides: dict[str, Any]) -> str | tuple[str, ...] | None:
     """``model.lora_target_modules`` or SkyRL's own key; both set and different is an error."""
-    from rllm_skyrl.run_config.tree import select
-
     ours = _as_targets("model.lora_target_modules", select(cfg, "model.lora_target_modules"))
     skyrl = _as_targets(
         "skyrl.trainer.policy.model.lora.target_modules", overrides.get(_POLICY + "target_modules")

@@ -169,11 +169,8 @@ def _sampling(cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
             f"rllm.rollout.train.temperature={sampled_at}: the trainer would score tokens under "
             "another distribution than they were sampled from; set rllm.rollout.train.temperature only"
         )
-    rollout_n = int(select(cfg, "rllm.rollout.n", 1))
-    if rollout_n < 1:
-        raise ConfigError("rllm.rollout.n must be >= 1")
     return {
-        "rollout_n": rollout_n,
+        "rollout_n": int(select(cfg, "rllm.rollout.n", 1)),
         "rollout_n_val": int(select(cfg, "rllm.rollout.n_val", 1)),
         "max_prompt_length": int(select(cfg, "rllm.data.max_prompt_length")),
         "max_response_length": int(select(cfg, "rllm.data.max_response_length")),
@@ -232,7 +229,7 @@ def _async_training(cfg: DictConfig, skyrl_cfg: Any) -> tuple[bool, int]:
         )
     mini_batch = int(select(cfg, "rllm.async_training.mini_batch_size", 1))
     chunk = int(select(cfg, "rllm.async_training.fwd_bwd_group_size") or mini_batch)
-    if chunk < 1 or mini_batch % chunk:
+    if mini_batch % chunk:
         raise ConfigError(
             f"rllm.async_training.fwd_bwd_group_size={chunk} must divide "
             f"rllm.async_training.mini_batch_size={mini_batch}"

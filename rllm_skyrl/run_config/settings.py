@@ -171,10 +171,6 @@ class RunConfig:
     def loss_fn_config(self) -> dict[str, Any]:
         return dict(self.extra.get("loss_fn_config") or {})
 
-    @property
-    def critic_loss_fn_config(self) -> dict[str, Any]:
-        return dict(self.extra.get("critic_loss_fn_config") or {})
-
     def for_total_steps(self, total_training_steps: int) -> RunConfig:
         """A copy that knows the run's length: optimizer steps and the warmup they imply.
 
