@@ -1,9 +1,7 @@
 """The composed Hydra config -> one checked, immutable ``RunConfig``, section by section.
 
-``resolve_run_config`` reads the config's content only (see the package docstring for the rule
-between a key, its SkyRL counterpart and its aliases) and never changes it. Each section below
-reads its keys, refuses what cannot work with one line naming key, value and what is allowed, and
-returns its part of ``RunConfig``; the algorithm section lives in ``algorithm``.
+Reads the config's content only (the package docstring states the rule) and never changes it; each
+section refuses what cannot work with one line naming key, value and what is allowed.
 """
 
 from __future__ import annotations
@@ -40,11 +38,9 @@ _POLICY_PATH = "trainer.policy.model.path"
 def resolve_run_config(
     cfg: DictConfig, *, platform: Platform | None = None, resolve_models: bool = True
 ) -> RunConfig:
-    """Check and resolve everything a run needs from its config, before anything starts.
-
+    """Everything a run needs, checked before anything starts; ``ConfigError`` names the key to change.
     ``resolve_models=False`` keeps model names as given (``rllm-skyrl plan`` describes a cluster
-    whose model may not be on this machine). Raises ``ConfigError`` naming the key to change.
-    """
+    whose model may not be on this machine)."""
     platform = platform or Platform.detect()
     with _config_errors():
         cfg = with_aliases(cfg)
@@ -145,8 +141,7 @@ def _skyrl_config(overrides: dict[str, Any], platform: Platform) -> Any:
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
-    """The worker roles a SkyRL config asks for: a critic when it has a critic model (GAE), a
-    frozen reference when a KL term needs one."""
+    """The worker roles a SkyRL config asks for."""
     trainer = skyrl_cfg.trainer
     roles = ["policy"]
     if trainer.critic.model.path:
@@ -184,7 +179,6 @@ def _set_values(section: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _rendering(cfg: DictConfig) -> RolloutSettings:
-    """How the rollout engine renders prompts and reads answers."""
     return RolloutSettings(
         disable_thinking=bool(select(cfg, "rllm.disable_thinking", False)),
         render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),

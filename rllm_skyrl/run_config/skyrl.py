@@ -14,11 +14,8 @@ from rllm_skyrl.hardware import Platform
 
 
 def make_skyrl_config(overrides: dict[str, Any] | None = None, platform: Platform | None = None):
-    """A ``SkyRLTrainConfig`` from ``{dotted_key: value}`` (or ``key=value`` strings).
-
-    The platform's settings win over the caller's (on CPU, SkyRL cannot run otherwise, and a
-    silently wrong value would fail much later); ``platform`` defaults to this machine's.
-    """
+    """A ``SkyRLTrainConfig`` from ``{dotted_key: value}``. The platform's (default: this machine's)
+    settings win: SkyRL cannot run otherwise, and a silently wrong value would fail much later."""
     from skyrl.train.config.config import SkyRLTrainConfig
 
     merged = {**(overrides or {}), **(platform or Platform.detect()).skyrl_overrides()}
