@@ -3,10 +3,10 @@
 Which value wins depends only on the composed config's content, never on whether a key came from
 the command line, a yaml file or a dict, and resolving never changes the config it is given:
 
-1. A key of rLLM's tinker or verl backend (``aliases.KEYS``) that is set (non-null) is the value
-   of the key it aliases, whatever that key holds: rLLM's base config gives most of them defaults,
-   so their holding a value says nothing about the user. Two aliases of one key that disagree are
-   an error naming both.
+1. A set (non-null) key of rLLM's tinker or verl backend (``aliases.KEYS``) is the value of the
+   key it aliases, whatever that key holds: rLLM's base config gives most of them defaults, so
+   their holding a value says nothing about the user. Two aliases of one key that disagree are an
+   error naming both.
 2. rLLM's keys (``rllm.*``) and the backend's own (``model.*``, ``training.*``, ``inference.*``)
    are the source; their SkyRL counterparts under ``skyrl.*`` (``bridge.BRIDGE``) follow them. The
    shipped yaml sets none of those counterparts, so a set one was set by the user: if its source
@@ -17,23 +17,12 @@ the command line, a yaml file or a dict, and resolving never changes the config 
    model, LoRA target modules, ``reshard_after_forward``) are filled in only where left unset, and
    what the machine requires (sdpa without flash-attn, no colocation on CPU) always applies
    (``hardware.Platform.skyrl_overrides``).
-
-aliases      other backends' keys -> ours, as a new config (``with_aliases``)
-bridge       our keys -> SkyRL's keys, one table
-resolve      ``resolve_run_config``, section by section; ``settings`` the ``RunConfig`` it returns
-algorithm    estimators, losses, loss reduction, old logprobs, off-policy correction (``rllm.algorithm``)
-lora         tinker's LoRA keys -> SkyRL's trainer.policy.model.lora (target modules from the model)
-model_paths  model names -> directories this machine can load
-values       type and range of every user-facing key
-skyrl        SkyRL's typed config from dotted keys, errors naming the whole key
-tree         dotted lookups on a composed config
 """
 
 from rllm_skyrl.run_config.aliases import trainer_keys_behind, with_aliases
 from rllm_skyrl.run_config.bridge import BRIDGE, skyrl_overrides
 from rllm_skyrl.run_config.lora import LoraSettings
-from rllm_skyrl.run_config.model_paths import BUILTIN_MODELS, resolve_model_path
-from rllm_skyrl.run_config.resolve import RESUME_MODES, resolve_run_config, roles_for
+from rllm_skyrl.run_config.resolve import resolve_run_config, roles_for
 from rllm_skyrl.run_config.settings import (
     CheckpointSettings,
     ConfigError,
@@ -41,22 +30,17 @@ from rllm_skyrl.run_config.settings import (
     RunConfig,
 )
 from rllm_skyrl.run_config.skyrl import make_skyrl_config
-from rllm_skyrl.run_config.tree import select
 
 __all__ = [
     "BRIDGE",
-    "BUILTIN_MODELS",
-    "RESUME_MODES",
     "CheckpointSettings",
     "ConfigError",
     "InferenceSettings",
     "LoraSettings",
     "RunConfig",
     "make_skyrl_config",
-    "resolve_model_path",
     "resolve_run_config",
     "roles_for",
-    "select",
     "skyrl_overrides",
     "trainer_keys_behind",
     "with_aliases",

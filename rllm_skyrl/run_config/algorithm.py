@@ -1,14 +1,10 @@
 """The algorithm section: advantage estimators, policy and critic losses, loss reduction, old logprobs.
 
-Everything ``rllm.algorithm.*`` (and ``training.loss_fn_config``) decides about the update, checked
-and resolved once per run. The per-role losses rLLM users set in code come later, with the
-trainer's ``AlgorithmConfig`` (``RunConfig.with_algorithm_config``, by the same default and the
-same off-policy checks).
-
-Off-policy correction (``rllm.algorithm.rollout_correction.tis_mode``, or SkyRL's own
-``trainer.algorithm.off_policy_correction`` keys) is resolved once SkyRL's config exists
-(``off_policy_settings``): it decides whether each policy loss can apply it, and in bypass mode
-trains every loss through its decoupled variant (``rllm_skyrl.off_policy`` says why).
+The per-role losses rLLM users set in code come later, with the trainer's ``AlgorithmConfig``
+(``RunConfig.with_algorithm_config``), by the same default and the same off-policy checks.
+Off-policy correction is resolved once SkyRL's config exists: it decides whether each policy loss
+can apply it, and in bypass mode trains every loss through its decoupled variant
+(``rllm_skyrl.off_policy`` says why).
 """
 
 from __future__ import annotations
@@ -44,13 +40,10 @@ _SKYRL_CORRECTION = "skyrl.trainer.algorithm.off_policy_correction"
 
 
 def default_policy_loss(estimator: str) -> str:
-    """``ppo`` for GRPO (and GAE), ``importance_sampling`` for the other estimators (rLLM's rule)."""
     return _LOSS_BY_ESTIMATOR.get(estimator, "importance_sampling")
 
 
 def _policy_loss(estimator: str, named: str | None, loss_fn_config: Any) -> losses.ResolvedLoss:
-    """The policy loss rows of an ``estimator`` train with: ``named`` (``rllm.algorithm.loss_fn``)
-    if given, else the estimator's default. Raises ``ValueError`` from ``losses.resolve_loss``."""
     return losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
 
 
@@ -75,11 +68,8 @@ def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
-    """``rllm.algorithm.estimator_map`` -> per-role estimators and losses.
-
-    A value is an estimator, or ``[estimator, loss_fn]`` as rLLM's ``AlgorithmConfig`` takes
-    ``(estimator, loss_fn)`` tuples.
-    """
+    """``rllm.algorithm.estimator_map`` -> per-role estimators and losses; a value is an estimator
+    or ``[estimator, loss_fn]``, as rLLM's ``AlgorithmConfig`` takes ``(estimator, loss_fn)`` tuples."""
     estimators: dict[str, str] = {}
     role_losses: dict[str, str] = {}
     for role, value in raw.items():
@@ -128,11 +118,7 @@ def _losses(
         "critic_loss": critic_loss,
         "role_losses": role_losses,
         "loss_reduction": reduction,
-        "extra": {
-            "loss_fn": named,
-            "loss_fn_config": loss_fn_config,
-            "critic_loss_fn_config": critic_loss_fn_config,
-        },
+        "extra": {"loss_fn": named, "loss_fn_config": loss_fn_config},
     }
 
 
@@ -141,11 +127,8 @@ def _losses(
 
 @dataclass(frozen=True)
 class OffPolicySettings:
-    """SkyRL's off-policy correction as a run trains with it (``rllm_skyrl.off_policy``).
-
-    ``setting`` is the ``key=value`` that turned it on (for messages), None when it is off;
-    ``decoupled`` means bypass mode, where every policy loss trains through its decoupled variant.
-    """
+    """SkyRL's off-policy correction as a run trains with it. ``setting``: the ``key=value`` that
+    turned it on (for messages), None when off; ``decoupled``: bypass mode (decoupled losses)."""
 
     setting: str | None = None
     decoupled: bool = False
@@ -165,8 +148,7 @@ class OffPolicySettings:
 
 
 def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> OffPolicySettings:
-    """Whether (and how) the run corrects for off-policy rollouts. Raises ``ValueError`` for bypass
-    mode with several optimizer steps per batch (see ``rllm_skyrl.off_policy``)."""
+    """Whether (and how) the run corrects for off-policy rollouts."""
     trainer = skyrl_cfg.trainer
     setting = _correction_setting(cfg, trainer.algorithm.off_policy_correction)
     minibatches = trainer.train_batch_size // trainer.policy_mini_batch_size
@@ -207,8 +189,7 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
 
 
 def with_off_policy_correction(algorithm: dict[str, Any], cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
-    """The algorithm section's losses checked against the run's off-policy correction, and decoupled
-    in bypass mode. Raises ``ValueError`` naming the setting and the loss."""
+    """The algorithm section's losses checked against the off-policy correction (decoupled in bypass mode)."""
     settings = off_policy_settings(cfg, skyrl_cfg, algorithm["bypass_mode"])
     named = algorithm["extra"]["loss_fn"]
     policy_loss = algorithm["policy_loss"]

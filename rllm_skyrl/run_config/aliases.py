@@ -1,21 +1,17 @@
 """Keys of rLLM's other backends (``tinker.yaml``, ``verl.yaml``), accepted under their own names.
 
-A user moving from ``rllm/backend=tinker`` or ``rllm/backend=verl`` keeps their command line: a key
-that means something here is an *alias* of a key of ours, and a key that means nothing here is
-*refused* with the reason, unless it holds a value that asks for nothing (``null``, or what this
-backend does anyway). Nothing is silently ignored. The backend's yaml declares every key of this
-table as null (so Hydra accepts them without ``+``) and a test holds the yaml, this table and the
-README's table together.
+A user moving from ``rllm/backend=tinker`` or ``=verl`` keeps their command line: a key that means
+something here is an *alias* of a key of ours; one that means nothing here is *refused* with the
+reason unless its value asks for nothing (``null``, or what this backend does anyway). Nothing is
+silently ignored. The backend's yaml declares every key of this table as null (so Hydra accepts
+them without ``+``); a test holds the yaml, this table and the README's table together.
 
-An alias that is set (non-null) is the value of its target, whatever the target holds: rLLM's base
-config gives most targets a default (``rllm.data.train_batch_size: 64``), so a set target says
-nothing about the user, while a set alias always does; a tinker user's ``data.train_batch_size=32``
-must train with 32. Two aliases of one target that disagree are an error naming both.
-
-``with_aliases`` returns a new config with every alias written onto its target, so interpolations
-that read a target (``rllm.rollout.train.max_tokens: ${rllm.data.max_response_length}``) follow.
-The launchers hand that config to the trainer, whose data loaders then see the same batch size as
-the backend, as rLLM's own launchers sync ``data.*`` into ``rllm.data.*``.
+A set alias beats its target (the package docstring's rule 1): rLLM's base config gives targets
+defaults (``rllm.data.train_batch_size: 64``), and a tinker user's ``data.train_batch_size=32``
+must train with 32. ``with_aliases`` writes the aliases onto their targets in a new config, so
+interpolations that read a target (``${rllm.data.max_response_length}``) follow, and the launchers
+hand it to the trainer, whose data loaders then see the backend's batch size (as rLLM's own
+launchers sync ``data.*`` into ``rllm.data.*``).
 """
 
 from __future__ import annotations
@@ -240,11 +236,8 @@ KEYS: tuple[Alias | Refused, ...] = (
 
 
 def alias_values(cfg: DictConfig) -> dict[str, Any]:
-    """``{target: value}`` for every alias set in ``cfg``; refuses keys that mean nothing here.
-
-    Raises ``ConfigError`` naming the key for a refused key that asks for something, and naming
-    both aliases when two aliases of one target disagree.
-    """
+    """``{target: value}`` for every alias set in ``cfg``. Raises ``ConfigError`` for a refused key
+    that asks for something, and for two aliases of one target that disagree."""
     values: dict[str, Any] = {}
     setters: dict[str, str] = {}
     for spec in KEYS:
@@ -267,10 +260,7 @@ def alias_values(cfg: DictConfig) -> dict[str, Any]:
 
 
 def with_aliases(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` with every set alias written onto its target; ``cfg`` itself is not changed.
-
-    Applying it twice changes nothing more. Raises ``ConfigError`` as ``alias_values`` does.
-    """
+    """A copy of ``cfg`` with every set alias written onto its target; idempotent."""
     values = alias_values(cfg)
     aliased = copy.deepcopy(cfg)
     with read_write(aliased), open_dict(aliased):
@@ -280,12 +270,9 @@ def with_aliases(cfg: DictConfig) -> DictConfig:
 
 
 def trainer_keys_behind(cfg: DictConfig) -> dict[str, Any]:
-    """``{rllm key: alias value}`` for the ``rllm.*`` targets whose set alias holds another value.
-
-    rLLM's trainer reads its ``rllm.*`` keys itself (batch sizes for its data loaders, the
-    algorithm section for its advantages); these are the ones it would read differently from the
-    backend if handed ``cfg`` as it is rather than ``with_aliases(cfg)``.
-    """
+    """``{rllm key: alias value}`` for the ``rllm.*`` targets whose set alias holds another value:
+    the keys rLLM's trainer, which reads ``rllm.*`` itself (batch sizes, the algorithm section),
+    would read differently from the backend if handed ``cfg`` rather than ``with_aliases(cfg)``."""
     return {
         target: value
         for target, value in alias_values(cfg).items()

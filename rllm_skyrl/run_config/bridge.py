@@ -1,19 +1,14 @@
-"""Our keys -> SkyRL keys: one table, and the rule between a key and its SkyRL counterpart.
+"""Our keys -> SkyRL keys: one table (``BRIDGE``), and the rule between a key and its counterpart.
 
 rLLM users think in ``rllm.rollout.n`` and ``rllm.algorithm.eps_clip``, and this backend's own keys
-are tinker's (``training.learning_rate``, ``model.path``); SkyRL's workers read
-``generator.n_samples_per_prompt``, ``trainer.algorithm.eps_clip_low`` and
-``trainer.policy.optimizer_config.lr``. Every pair that means the same thing is listed once in
-``BRIDGE``. The source key is the setting; its counterpart under ``skyrl.*`` follows it. The
-shipped yaml sets no counterpart, so one that is set was set by the user: if it disagrees with a
-set source (after translation), that is an error naming both; if the source is null, it is used.
+are tinker's (``training.learning_rate``); SkyRL's workers read ``generator.n_samples_per_prompt``,
+``trainer.algorithm.eps_clip_low`` and ``trainer.policy.optimizer_config.lr``. The source key is
+the setting and its ``skyrl.*`` counterpart follows it (the package docstring's rule 2); SkyRL keys
+derived from several settings are filled in where the user left them unset.
 
-SkyRL keys derived from several settings (mini-batch sizes, the critic's and the reference's
-model, the KL switch) are filled in where the user left them unset (``_derive_*``).
-
-``rllm.algorithm.loss_fn`` and ``loss_agg_mode`` are not bridged: the backend resolves them per
-call (``losses.resolve_loss``, ``advantages.apply_loss_reduction``), because SkyRL's workers take
-the loss name per ``forward_backward`` and expect advantages already scaled for the reduction.
+``rllm.algorithm.loss_fn`` and ``loss_agg_mode`` are not bridged: SkyRL's workers take the loss name
+per ``forward_backward`` and expect advantages already scaled for the reduction, so the backend
+resolves them per call (``losses.resolve_loss``, ``advantages.apply_loss_reduction``).
 """
 
 from __future__ import annotations
@@ -39,10 +34,6 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _betas(values: list[Any]) -> list[Any]:
-    return list(values)
-
-
 def _kl_on(beta: Any) -> bool:
     """rLLM's kl_beta is a coefficient; SkyRL needs the loss switched on as well (it adds a ref model)."""
     return float(beta) > 0.0
@@ -50,10 +41,7 @@ def _kl_on(beta: Any) -> bool:
 
 @dataclass(frozen=True)
 class Pair:
-    """A key of ours (or several) and the SkyRL key it maps to; ``convert`` turns our value into SkyRL's.
-
-    ``source`` is one dotted key, or a tuple of keys whose values ``convert`` takes as a list.
-    """
+    """Our key (or a tuple of keys, whose values ``convert`` gets as a list) and the SkyRL key it sets."""
 
     source: str | tuple[str, ...]
     skyrl: str
@@ -116,8 +104,8 @@ BRIDGE: tuple[Pair, ...] = (
     Pair("training.weight_decay", _CRITIC + "optimizer_config.weight_decay"),
     Pair("training.max_grad_norm", _POLICY + "optimizer_config.max_grad_norm"),
     Pair("training.max_grad_norm", _CRITIC + "optimizer_config.max_grad_norm"),
-    Pair(_BETAS, _POLICY + "optimizer_config.adam_betas", _betas),
-    Pair(_BETAS, _CRITIC + "optimizer_config.adam_betas", _betas),
+    Pair(_BETAS, _POLICY + "optimizer_config.adam_betas"),
+    Pair(_BETAS, _CRITIC + "optimizer_config.adam_betas"),
     Pair("training.update_epochs", "trainer.update_epochs_per_batch"),
     Pair("training.default_local_dir", "trainer.ckpt_path"),
     Pair("inference.num_engines", "generator.inference_engine.num_engines"),
@@ -125,10 +113,8 @@ BRIDGE: tuple[Pair, ...] = (
 
 
 def skyrl_overrides(cfg: DictConfig) -> dict[str, Any]:
-    """The flat ``{skyrl_key: value}`` dict for ``SkyRLTrainConfig.from_cli_overrides``.
-
-    Raises ``ValueError`` naming both keys when a set SkyRL key disagrees with the key it follows.
-    """
+    """The flat ``{skyrl_key: value}`` dict for ``SkyRLTrainConfig.from_cli_overrides``; raises
+    ``ValueError`` naming both keys when a set SkyRL key disagrees with the key it follows."""
     skyrl_tree = select(cfg, "skyrl") or {}
     overrides = {key: value for key, value in flatten(skyrl_tree).items() if key}
     for pair in BRIDGE:

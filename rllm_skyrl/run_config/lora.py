@@ -1,24 +1,16 @@
 """LoRA settings: tinker's keys checked and turned into SkyRL's ``trainer.policy.model.lora``.
 
-rLLM's tinker backend trains LoRA adapters (``model.lora_rank``, ``model.train_attn``,
-``model.train_mlp``, ``model.train_unembed``); SkyRL's FSDP workers train them through PEFT from
-``trainer.policy.model.lora.{rank,alpha,dropout,target_modules}``. ``model.lora_rank=0`` (the
-default) is full fine-tuning. The yaml feeds rank, alpha and dropout into SkyRL's keys; this module
-checks them and works out the target modules, before any worker starts.
+SkyRL's FSDP workers train adapters through PEFT from ``trainer.policy.model.lora.*``; the yaml
+feeds rank, alpha and dropout there, and this module checks them and works out the target modules
+before any worker starts. ``model.lora_rank=0`` (the default) is full fine-tuning.
 
-Target modules come from the model's own structure, read from its config on the meta device (no
-weights are loaded): every linear layer inside an attention block (``train_attn``) or an MLP /
-mixture-of-experts block (``train_mlp``), by the class name of the block that holds it. The
-unembedding (``lm_head``) and the input embedding are never targeted: SkyRL hands the adapter to
-vLLM, which adapts them for some architectures only (those declaring ``embedding_modules``) and not
-when ``lm_head`` is tied to the input embedding, so a run that trains here could not be served on
-GPUs. ``model.train_unembed=true`` is refused (see ``aliases.py``), and so is a
-``model.lora_target_modules`` entry that names an embedding.
-
-What SkyRL supports around LoRA (0.4): the reference model is always the frozen base (its worker
-never reads ``trainer.ref.model.lora``), and a LoRA policy may run next to a fully trained critic.
-LoRA on the critic itself is refused: PEFT freezes every non-adapter weight, including the critic's
-freshly initialised value head, which then can only move through an adapter placed on it.
+Targets come from the model's structure, read on the meta device (no weights loaded): every linear
+layer inside an attention block (``train_attn``) or an MLP / mixture-of-experts block
+(``train_mlp``), by the block's class name. Embeddings (``lm_head``, the input embedding) are never
+targeted: SkyRL hands the adapter to vLLM, which adapts them for some architectures only (those
+declaring ``embedding_modules``) and not when ``lm_head`` is tied, so such a run could not be
+served on GPUs. A LoRA policy may run next to a fully trained critic, but LoRA on the critic is
+refused (PEFT would freeze its fresh value head); the reference is always the frozen base (SkyRL 0.4).
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rllm_skyrl.run_config.bridge import disagreement
+from rllm_skyrl.run_config.tree import select
 
 ALL_LINEAR = "all-linear"
 _POLICY = "trainer.policy.model.lora."
@@ -54,11 +47,8 @@ class LoraSettings:
 
 
 def module_kinds(model_path: str) -> dict[str, str]:
-    """``{module name: kind}`` for every layer PEFT's LoRA can wrap, without loading weights.
-
-    Kinds: ``attn``, ``mlp``, ``unembed`` (the output embedding), ``embed`` (the input embedding),
-    ``other`` (linear layers outside attention and MLP blocks, e.g. a vision projector).
-    """
+    """``{module name: kind}`` for every layer PEFT's LoRA can wrap, without loading weights: ``attn``,
+    ``mlp``, ``unembed``, ``embed``, or ``other`` (a linear layer outside both, e.g. a vision projector)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
@@ -92,11 +82,9 @@ def _block_kind(name: str, modules: dict[str, Any]) -> str:
 
 
 def targets_for(kinds: dict[str, str], wanted: Sequence[str]) -> tuple[str, ...]:
-    """PEFT ``target_modules`` covering exactly the layers of the ``wanted`` kinds.
-
-    Leaf names (``q_proj``) where a leaf name only occurs in wanted layers; full names where it is
-    shared with a layer that must stay frozen (GPT-2's ``c_proj`` is in both attention and MLP).
-    """
+    """PEFT ``target_modules`` covering exactly the layers of the ``wanted`` kinds: leaf names
+    (``q_proj``), but full names where a leaf name is shared with a layer that must stay frozen
+    (GPT-2's ``c_proj`` is in both attention and MLP)."""
     chosen = [name for name, kind in kinds.items() if kind in wanted]
     frozen_leaves = {name.rsplit(".", 1)[-1] for name, kind in kinds.items() if kind not in wanted}
     targets = set()
@@ -120,13 +108,8 @@ def resolve_lora(
     cfg: Any, overrides: dict[str, Any], model_path: str, *, inspect: bool = True
 ) -> LoraSettings:
     """Check the LoRA keys and write the policy's target modules into SkyRL's ``overrides``.
-
     ``inspect=False`` (``rllm-skyrl plan``, whose model may not be on this machine) tolerates a model
-    whose config cannot be read; targets that need it are then an error. Raises ``ValueError``
-    naming the key to change.
-    """
-    from rllm_skyrl.run_config.tree import select
-
+    whose config cannot be read, unless the targets need it."""
     _refuse_critic_and_ref_lora(overrides)
     rank = overrides.get(_POLICY + "rank", 0)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -225,8 +208,6 @@ def _targets(
 
 def _explicit_targets(cfg: Any, overrides: dict[str, Any]) -> str | tuple[str, ...] | None:
     """``model.lora_target_modules`` or SkyRL's own key; both set and different is an error."""
-    from rllm_skyrl.run_config.tree import select
-
     ours = _as_targets("model.lora_target_modules", select(cfg, "model.lora_target_modules"))
     skyrl = _as_targets(
         "skyrl.trainer.policy.model.lora.target_modules", overrides.get(_POLICY + "target_modules")

@@ -13,8 +13,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def resolve_model_path(path: str) -> str:
-    """``tiny``: the in-process tiny test model; ``smollm2``: SmolLM2-135M-Instruct from its PyPI
-    wheel (no hub); anything else is used as given."""
     if path == "tiny":
         from rllm_skyrl.tiny_model import build_tiny_model
 
@@ -27,10 +25,7 @@ def resolve_model_path(path: str) -> str:
 
 
 def check_model_path(key: str, path: Any) -> None:
-    """A model this machine can load: a built-in name, an HF model directory, or a hub id.
-
-    Raises ``ValueError`` naming ``key``, the value and what is allowed.
-    """
+    """Raise ``ValueError`` naming ``key`` unless ``path`` is a model this machine can load."""
     if path is None or path in BUILTIN_MODELS:
         return
     if not isinstance(path, str) or not path.strip():

@@ -1,9 +1,7 @@
 """The composed Hydra config -> one checked, immutable ``RunConfig``, section by section.
 
-``resolve_run_config`` reads the config's content only (see the package docstring for the rule
-between a key, its SkyRL counterpart and its aliases) and never changes it. Each section below
-reads its keys, refuses what cannot work with one line naming key, value and what is allowed, and
-returns its part of ``RunConfig``; the algorithm section lives in ``algorithm``.
+Reads the config's content only (the package docstring states the rule) and never changes it; each
+section refuses what cannot work with one line naming key, value and what is allowed.
 """
 
 from __future__ import annotations
@@ -40,11 +38,9 @@ _POLICY_PATH = "trainer.policy.model.path"
 def resolve_run_config(
     cfg: DictConfig, *, platform: Platform | None = None, resolve_models: bool = True
 ) -> RunConfig:
-    """Check and resolve everything a run needs from its config, before anything starts.
-
+    """Everything a run needs, checked before anything starts; ``ConfigError`` names the key to change.
     ``resolve_models=False`` keeps model names as given (``rllm-skyrl plan`` describes a cluster
-    whose model may not be on this machine). Raises ``ConfigError`` naming the key to change.
-    """
+    whose model may not be on this machine)."""
     platform = platform or Platform.detect()
     with _config_errors():
         cfg = with_aliases(cfg)
@@ -145,8 +141,7 @@ def _skyrl_config(overrides: dict[str, Any], platform: Platform) -> Any:
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
-    """The worker roles a SkyRL config asks for: a critic when it has a critic model (GAE), a
-    frozen reference when a KL term needs one."""
+    """The worker roles a SkyRL config asks for."""
     trainer = skyrl_cfg.trainer
     roles = ["policy"]
     if trainer.critic.model.path:
@@ -169,11 +164,8 @@ def _sampling(cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
             f"rllm.rollout.train.temperature={sampled_at}: the trainer would score tokens under "
             "another distribution than they were sampled from; set rllm.rollout.train.temperature only"
         )
-    rollout_n = int(select(cfg, "rllm.rollout.n", 1))
-    if rollout_n < 1:
-        raise ConfigError("rllm.rollout.n must be >= 1")
     return {
-        "rollout_n": rollout_n,
+        "rollout_n": int(select(cfg, "rllm.rollout.n", 1)),
         "rollout_n_val": int(select(cfg, "rllm.rollout.n_val", 1)),
         "max_prompt_length": int(select(cfg, "rllm.data.max_prompt_length")),
         "max_response_length": int(select(cfg, "rllm.data.max_response_length")),
@@ -187,7 +179,6 @@ def _set_values(section: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _rendering(cfg: DictConfig) -> RolloutSettings:
-    """How the rollout engine renders prompts and reads answers."""
     return RolloutSettings(
         disable_thinking=bool(select(cfg, "rllm.disable_thinking", False)),
         render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),
@@ -232,7 +223,7 @@ def _async_training(cfg: DictConfig, skyrl_cfg: Any) -> tuple[bool, int]:
         )
     mini_batch = int(select(cfg, "rllm.async_training.mini_batch_size", 1))
     chunk = int(select(cfg, "rllm.async_training.fwd_bwd_group_size") or mini_batch)
-    if chunk < 1 or mini_batch % chunk:
+    if mini_batch % chunk:
         raise ConfigError(
             f"rllm.async_training.fwd_bwd_group_size={chunk} must divide "
             f"rllm.async_training.mini_batch_size={mini_batch}"

@@ -1,8 +1,7 @@
 """The resolved run: the typed, immutable settings everything downstream reads.
 
-``resolve.resolve_run_config`` builds a ``RunConfig`` from the composed config; nothing rewrites
-it. The number of training steps is only known when the trainer starts, so ``for_total_steps``
-returns a copy with the optimizer-step count and the warmup that depends on it, and
+The number of training steps is only known when the trainer starts, so ``for_total_steps`` returns
+a copy with the optimizer-step count and the warmup that depends on it, and
 ``with_algorithm_config`` one with the per-role estimators and losses set in code.
 """
 
@@ -100,13 +99,8 @@ class RunConfig:
         return self.role_losses.get(role, self.policy_loss)
 
     def with_algorithm_config(self, algorithm_config: Any) -> RunConfig:
-        """A copy that takes the per-role estimators and losses the trainer's ``AlgorithmConfig`` carries.
-
-        rLLM users set them in code (``traj_group_adv_estimator_map`` values ``estimator`` or
-        ``(estimator, loss_fn)``); the loss of a role is its ``loss_fn_map`` entry, else
-        ``rllm.algorithm.loss_fn``, else the default for the role's estimator. Each is checked
-        against the run's off-policy correction as the configured losses are.
-        """
+        """A copy with the per-role estimators and losses rLLM users set in code (the trainer's
+        ``AlgorithmConfig``), each loss checked against the off-policy correction as configured ones are."""
         estimator_map = {
             role: getattr(value, "value", value)
             for role, value in (getattr(algorithm_config, "estimator_map", None) or {}).items()
@@ -171,16 +165,9 @@ class RunConfig:
     def loss_fn_config(self) -> dict[str, Any]:
         return dict(self.extra.get("loss_fn_config") or {})
 
-    @property
-    def critic_loss_fn_config(self) -> dict[str, Any]:
-        return dict(self.extra.get("critic_loss_fn_config") or {})
-
     def for_total_steps(self, total_training_steps: int) -> RunConfig:
-        """A copy that knows the run's length: optimizer steps and the warmup they imply.
-
-        rLLM counts warmup in optimizer steps (``rllm.algorithm.warmup_steps``), or as a ratio of
-        them when that is <= 0. SkyRL's schedulers count optimizer steps too.
-        """
+        """A copy that knows the run's optimizer steps, and the warmup when it is a ratio of them
+        (``rllm.algorithm.warmup_steps`` <= 0); rLLM and SkyRL's schedulers count optimizer steps."""
         optimizer_steps = max(int(total_training_steps or 1), 1) * self.num_minibatches * self.update_epochs
         skyrl_cfg = copy.deepcopy(self.skyrl)
         for role in ("policy", "critic"):

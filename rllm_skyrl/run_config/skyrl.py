@@ -10,22 +10,14 @@ import dataclasses
 import typing
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.run_config.tree import flatten
 
 
-def make_skyrl_config(overrides: dict[str, Any] | list[str] | None = None, platform: Platform | None = None):
-    """A ``SkyRLTrainConfig`` from ``{dotted_key: value}`` (or ``key=value`` strings).
-
-    The platform's settings win over the caller's (on CPU, SkyRL cannot run otherwise, and a
-    silently wrong value would fail much later); ``platform`` defaults to this machine's.
-    """
+def make_skyrl_config(overrides: dict[str, Any] | None = None, platform: Platform | None = None):
+    """A ``SkyRLTrainConfig`` from ``{dotted_key: value}``. The platform's (default: this machine's)
+    settings win: SkyRL cannot run otherwise, and a silently wrong value would fail much later."""
     from skyrl.train.config.config import SkyRLTrainConfig
 
-    if isinstance(overrides, list):
-        overrides = flatten(OmegaConf.to_container(OmegaConf.from_dotlist(overrides)))
     merged = {**(overrides or {}), **(platform or Platform.detect()).skyrl_overrides()}
     for key in merged:
         check_key(SkyRLTrainConfig, key)

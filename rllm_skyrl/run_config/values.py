@@ -8,7 +8,7 @@ Keys absent from the composed config (e.g. rLLM keys of an older rLLM) are not c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,9 +166,9 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def check_values(cfg: DictConfig, rules: Sequence[Rule] = RULES) -> None:
+def check_values(cfg: DictConfig) -> None:
     """Raise ``ValueError("<key>=<value>: expected <allowed>")`` for the first value out of place."""
-    for rule in rules:
+    for rule in RULES:
         value = select(cfg, rule.key, _ABSENT)
         if value is _ABSENT or (value is None and rule.nullable):
             continue

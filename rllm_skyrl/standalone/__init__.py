@@ -6,15 +6,13 @@ hook calls under both trainers and compares them.
 """
 
 from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader
-from rllm_skyrl.standalone.driver import TrainerState, UnifiedTrainer
-from rllm_skyrl.standalone.workflow import SimpleWorkflow, Workflow, WorkflowEngine, task_messages
+from rllm_skyrl.standalone.driver import UnifiedTrainer
+from rllm_skyrl.standalone.workflow import SimpleWorkflow, Workflow, WorkflowEngine
 
 __all__ = [
     "SimpleWorkflow",
     "StatefulTaskDataLoader",
-    "TrainerState",
     "UnifiedTrainer",
     "Workflow",
     "WorkflowEngine",
-    "task_messages",
 ]

@@ -1,22 +1,17 @@
 """The trainer used when rLLM is not installed: rLLM's ``UnifiedTrainer`` call order, on-policy only.
 
-Construction follows ``rllm/trainer/unified_trainer.py``: the backend gets the full config and
-validates it before anything starts, the loaders are built, ``init_rollout_engine`` starts
-inference and a workflow engine runs over the engine it returns. ``fit()`` then calls the
-backend's hooks in rLLM's on-policy order::
+Construction follows ``rllm/trainer/unified_trainer.py`` (the backend validates the full config
+before anything starts); ``fit()`` calls the backend's hooks in rLLM's on-policy order::
 
     on_train_start -> validation (val_before_train) -> per epoch: on_epoch_start -> per batch:
     on_batch_start, generate_episodes, transform_to_backend_batch, process_backend_batch,
     compute_advantages, update_policy, on_batch_end, validation every test_freq steps
     -> on_epoch_end -> validation after the last step -> on_train_end (also after a failure)
 
-What rLLM configures with its own classes is not copied here: the backend gets ``None`` for
-``cf_config``, ``transform_config``, ``rs_config`` and ``algorithm_config`` (and then takes the
-algorithm from the run config), trajectories are grouped as rLLM's defaults group them
-(``episodes.py``), and fully-async training needs rLLM. Keys read, by rLLM's names (defaults in
-``config/rllm/base.yaml``): ``rllm.data.{train_batch_size, val_batch_size, seed}``,
-``rllm.trainer.{total_epochs, total_batches, test_freq, val_before_train, val_only, logger}``,
-``rllm.rollout.n_val``, ``rllm.workflow.{n_parallel_tasks, retry_limit, raise_on_error}``.
+What rLLM configures with its own classes is not copied: the backend gets ``None`` for
+``cf_config``, ``transform_config``, ``rs_config`` and ``algorithm_config`` (and takes the
+algorithm from the run config), trajectories group as rLLM's defaults group them (``episodes.py``),
+and fully-async training needs rLLM. Keys and defaults are rLLM's (``config/rllm/base.yaml``).
 """
 
 from __future__ import annotations
@@ -87,11 +82,9 @@ class ConsoleLine:
 
 
 class Tracking:
-    """rLLM's ``Tracking`` for the loggers this trainer has: ``console`` (a line per record).
-
-    Like rLLM's, it hands each record to every entry of its ``logger`` table, which is where a run
-    adds its own sinks (``compat.rllm_tracking``).
-    """
+    """rLLM's ``Tracking`` with the one logger this trainer has, ``console``. Like rLLM's, it hands
+    each record to every entry of its ``logger`` table, where a run adds its own sinks
+    (``compat.rllm_tracking``)."""
 
     def __init__(self, loggers: str | list[str], total_steps: int) -> None:
         loggers = [loggers] if isinstance(loggers, str) else list(loggers)
@@ -257,7 +250,6 @@ class UnifiedTrainer:
         await self.backend.on_validation_end(state)
 
     def shutdown(self) -> None:
-        """Stop the workflow engine and the backend (synchronously)."""
         try:
             self.agent_workflow_engine.shutdown()
         finally:

@@ -1,11 +1,10 @@
 """rLLM's ``Workflow`` and ``SimpleWorkflow`` for machines without rLLM, and the engine that runs them.
 
-The stand-ins take rLLM's constructor arguments (``rollout_engine``, ``executor``, ``timeout`` and
-the workflow's own) and ``SimpleWorkflow`` calls its reward function as rLLM's does:
-``reward_function(task, action)`` with the answer in ``action.action``, returning something with
-``.reward``. So one workflow class, written against ``rllm_skyrl.rllm_names``, runs under either
-trainer. The engine drives a workflow as rLLM's ``UnifiedWorkflowEngine`` does (``reset``, then
-``run_with_termination_handling``), so rLLM's own workflow classes run here too.
+The stand-ins take rLLM's constructor arguments and ``SimpleWorkflow`` calls its reward function as
+rLLM's does (``reward_function(task, action)``, the answer in ``action.action``), so one workflow
+class written against ``rllm_skyrl.rllm_names`` runs under either trainer. The engine drives a
+workflow as rLLM's ``UnifiedWorkflowEngine`` does (``reset``, then ``run_with_termination_handling``),
+so rLLM's own workflow classes run here too.
 """
 
 from __future__ import annotations
@@ -88,11 +87,7 @@ class Workflow(ABC):
 
 
 class SimpleWorkflow(Workflow):
-    """rLLM's ``SimpleWorkflow``: one question, one answer, ``reward_function(task, action)`` scores it.
-
-    The episode is what rLLM's version makes: one unnamed trajectory whose reward is the answer's,
-    ``is_correct`` when that reward is positive, and ``<trajectory name>_acc`` as its metric.
-    """
+    """rLLM's ``SimpleWorkflow``: one question, one answer, and the episode rLLM's version makes."""
 
     def __init__(
         self, rollout_engine: Any, reward_function: Callable[[Any, Action], Any], **kwargs: Any
@@ -124,11 +119,8 @@ class SimpleWorkflow(Workflow):
 
 
 class WorkflowEngine:
-    """Runs one workflow per rollout, at most ``n_parallel_tasks`` at a time (rLLM's ``execute_tasks``).
-
-    Episode ids are ``"{task_id}:{rollout_idx}"``, counting the repeats of each task id; a rollout
-    that ends in error is tried up to ``retry_limit`` times, then counted (or raised).
-    """
+    """Runs one workflow per rollout, at most ``n_parallel_tasks`` at a time (rLLM's ``execute_tasks``);
+    a rollout that ends in error is tried up to ``retry_limit`` times, then counted (or raised)."""
 
     def __init__(
         self,
