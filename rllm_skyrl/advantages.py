@@ -98,9 +98,8 @@ def outcome_advantages(
 class GroupAdvantages:
     """Advantages aligned with the input groups, plus what the reward spread says about them.
 
-    A zero-variance group (rewards within ``ZERO_VARIANCE_STD``, two or more trajectories) yields
-    no gradient under GRPO/RLOO. It counts as ``solve_all`` when its reward is >= 1 and
-    ``solve_none`` when <= 0, following rLLM's too_easy / too_hard split.
+    A zero-variance group (two or more trajectories) counts as ``solve_all`` when its reward is
+    >= 1 and ``solve_none`` when <= 0, following rLLM's too_easy / too_hard split.
     """
 
     advantages_by_group: list[torch.Tensor]
@@ -318,7 +317,7 @@ def apply_loss_reduction(
 ) -> TrainingInputBatch:
     """Scale ``advantages`` so SkyRL's summed policy loss becomes the requested mean.
 
-    Why: SkyRL's policy losses return masked sums (``ppo_utils.reduce_loss``) and the worker
+    SkyRL's policy losses return masked sums (``ppo_utils.reduce_loss``) and the worker
     multiplies by the DP size to undo gradient averaging. SkyRL's own trainer turns the sum into
     ``token_mean`` etc. by pre-scaling advantages per mini-batch
     (``RayPPOTrainer._normalize_advantages`` -> ``apply_loss_reduction_to_advantages_minibatch``).
