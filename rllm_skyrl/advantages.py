@@ -1,12 +1,9 @@
 """Advantages: rLLM's outcome estimators, SkyRL's GAE, and SkyRL's loss-reduction pre-scaling.
 
-Outcome estimators give one scalar per trajectory, computed within its ``TrajectoryGroup``
-(``reinforce_plus_plus_baseline`` and ``prpo`` also pool over all groups of a role). Under rLLM's
-trainer, rLLM's own functions and registry compute them (``batch_advantages``); the implementation
-here serves the standalone trainer and is tested equal to rLLM's on random groups. The numbers
-follow rLLM's ``rllm/trainer/algorithms`` so a run means the same thing on every rLLM backend.
-SkyRL's registered estimators (``ppo_utils.compute_grpo_outcome_advantage`` and friends) are not
-called for these: they differ from rLLM where it matters, as the tests pin down:
+Under rLLM's trainer, rLLM's own estimators compute outcome advantages (``batch_advantages``); the
+ones here serve the standalone trainer and are tested equal to rLLM's ``rllm/trainer/algorithms``,
+so a run means the same thing on every rLLM backend. SkyRL's registered estimators
+(``ppo_utils.compute_grpo_outcome_advantage`` and friends) differ from rLLM where it matters:
 
 - GRPO: SkyRL normalises by the unbiased group std, rLLM by the population std;
 - RLOO: a group of one gets advantage 0 in SkyRL, its reward in rLLM;
@@ -31,6 +28,7 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 
 from rllm_skyrl import rllm_api
+from rllm_skyrl.batch_layout import real_rows
 from rllm_skyrl.run_config.algorithm import OUTCOME_ESTIMATORS as ESTIMATORS
 from rllm_skyrl.run_config.algorithm import SKYRL_LOSS_REDUCTIONS
 from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
@@ -100,9 +98,8 @@ def outcome_advantages(
 class GroupAdvantages:
     """Advantages aligned with the input groups, plus what the reward spread says about them.
 
-    A zero-variance group (rewards within ``ZERO_VARIANCE_STD``, two or more trajectories) yields
-    no gradient under GRPO/RLOO. It counts as ``solve_all`` when its reward is >= 1 and
-    ``solve_none`` when <= 0, following rLLM's too_easy / too_hard split.
+    A zero-variance group (two or more trajectories) counts as ``solve_all`` when its reward is
+    >= 1 and ``solve_none`` when <= 0, following rLLM's too_easy / too_hard split.
     """
 
     advantages_by_group: list[torch.Tensor]
@@ -114,8 +111,7 @@ class GroupAdvantages:
 
 
 def _group_rewards(group: Any) -> torch.Tensor:
-    """A group's outcome rewards; a group without a usable trajectory list counts as having none
-    (the data adapter drops it and says why)."""
+    """A group without a usable trajectory list has none (the data adapter drops it and says why)."""
     trajectories = group.trajectories if isinstance(group.trajectories, list | tuple) else []
     rewards = [trajectory_reward(t) for t in trajectories]
     return torch.tensor([float("nan") if r is None else r for r in rewards], dtype=torch.float64)
@@ -134,8 +130,6 @@ def _summary(prefix: str, values_N: torch.Tensor) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class _Spread:
-    """How rewards spread within the groups of one role."""
-
     groups: int = 0  # groups with two or more finite rewards
     zero_variance: int = 0
     solve_all: int = 0
@@ -180,11 +174,7 @@ def compute_group_advantages(
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
 ) -> GroupAdvantages:
-    """rLLM-style advantages for trajectory groups, one estimator per role (``estimator_map``).
-
-    ``metrics`` uses rLLM's names: ``reward/<role>/*``, ``advantage/<role>/*`` and
-    ``batch/<role>/{total,informative,solve_all,solve_none,fractions/*}``.
-    """
+    """rLLM-style advantages, one estimator per role (``estimator_map``), with rLLM's metric names."""
     rewards_by_group = [_group_rewards(g) for g in groups]
     indices_by_role: dict[str, list[int]] = defaultdict(list)
     for i, group in enumerate(groups):
@@ -231,13 +221,9 @@ class BatchAdvantages:
 
 
 def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = None) -> BatchAdvantages:
-    """Outcome advantages for one step's groups, computed by whoever owns them.
-
-    - GAE (a critic): none yet; they come from the critic's values after its forward pass.
-    - rLLM's fully-async mode and ``use_precomputed_advantage``: already on the steps.
-    - rLLM's ``AlgorithmConfig``: rLLM's own functions and registry write them onto the steps.
-    - otherwise (the standalone trainer): this module's estimators, one scalar per trajectory.
-    Reward metrics (``reward/<role>/*`` and ``reward/mean``) come with every path.
+    """Outcome advantages for one step's groups, computed by whoever owns them: none yet under GAE
+    (they need the critic's forward), already on the steps in rLLM's fully-async mode and with
+    ``use_precomputed_advantage``, rLLM's registry under rLLM's ``AlgorithmConfig``, else this module's.
     """
     rewards = reward_metrics(groups)
     if run.uses_critic:
@@ -254,7 +240,7 @@ def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = No
 
 
 def reward_metrics(groups: Sequence[Any]) -> dict[str, float]:
-    """``reward/<role>/{mean,std,max,min}`` and, over every role, ``reward/mean`` and ``reward/std``."""
+    """``reward/<role>/*`` and, over every role, ``reward/mean`` and ``reward/std``."""
     by_role: dict[str, list[torch.Tensor]] = defaultdict(list)
     for group in groups:
         by_role[group_role(group)].append(_group_rewards(group))
@@ -272,7 +258,7 @@ def reward_metrics(groups: Sequence[Any]) -> dict[str, float]:
 
 
 def zero_variance(groups: Sequence[Any], advantages: BatchAdvantages) -> list[bool]:
-    """Per group: whether every advantage is 0, so the group would push the policy nowhere."""
+    """Per group: whether every advantage is 0 (the group would push the policy nowhere)."""
     if advantages.by_group is not None:
         return [all(abs(a) < ZERO_VARIANCE_STD for a in group) for group in advantages.by_group]
     flags = []
@@ -287,27 +273,24 @@ def zero_variance(groups: Sequence[Any], advantages: BatchAdvantages) -> list[bo
 
 
 def _real_rows(batch: TrainingInputBatch) -> int:
-    """Rows that are not DP padding; refuses a slice whose metadata describes its parent batch."""
+    """``real_rows``, refusing a slice whose metadata describes its parent batch."""
     row_ids = batch.metadata.get("row_ids")
     if row_ids is not None and len(row_ids) != batch.batch_size:
         raise ValueError(
             f"batch has {batch.batch_size} rows but its metadata describes {len(row_ids)}; "
             "pass the whole batch (with mini_batch_boundaries) rather than a slice of it"
         )
-    return batch.batch_size - batch.metadata.get("pad_size", 0)
+    return real_rows(batch)
 
 
 def add_gae_advantages(
     batch: TrainingInputBatch, values_BT: torch.Tensor, *, gamma: float = 1.0, lambd: float = 1.0
 ) -> TrainingInputBatch:
-    """Fill ``advantages``, ``returns`` and ``values`` from critic values with SkyRL's GAE.
+    """Fill ``advantages``, ``returns`` and ``values`` from the critic's values with SkyRL's GAE.
 
-    ``values_BT`` are the critic's per-token values for the batch's response window (what
-    ``dispatch.forward("critic", batch)`` returns, stacked). Rewards are the batch's ``rewards``
-    (the outcome on each row's last token). The whitening statistics use model tokens of real rows
-    only, so observation tokens and DP padding rows do not shift them; advantages are zeroed
-    outside ``loss_mask``. Observation tokens stay in the TD chain: the critic values every
-    position of the row, as SkyRL's token-level MDP does.
+    Whitening uses model tokens of real rows only, so observation tokens and DP padding do not
+    shift it. Observation tokens stay in the TD chain: the critic values every position of the
+    row, as SkyRL's token-level MDP does.
     """
     rewards_BT = batch["rewards"]
     if values_BT.shape != rewards_BT.shape:
@@ -334,18 +317,17 @@ def apply_loss_reduction(
 ) -> TrainingInputBatch:
     """Scale ``advantages`` so SkyRL's summed policy loss becomes the requested mean.
 
-    Why: SkyRL's policy losses return masked sums (``ppo_utils.reduce_loss``) and the worker
+    SkyRL's policy losses return masked sums (``ppo_utils.reduce_loss``) and the worker
     multiplies by the DP size to undo gradient averaging. SkyRL's own trainer turns the sum into
     ``token_mean`` etc. by pre-scaling advantages per mini-batch
     (``RayPPOTrainer._normalize_advantages`` -> ``apply_loss_reduction_to_advantages_minibatch``).
     A direct ``WorkerDispatch.forward_backward`` call skips that trainer code, so call this once on
     the rows of each optimizer step before dispatching them (a second call raises).
 
-    ``mini_batch_boundaries``: ``(start, end)`` row ranges, one per optimizer step; default is all
-    real rows as one. DP padding rows get advantage 0 and never count as sequences.
-    ``seq_mean_token_sum_norm`` (Dr. GRPO) divides by ``max_seq_len``, which must then be given.
-    ``scale`` multiplies the result: the share of an optimizer step these rows are, when a step's
-    rows arrive in several calls whose gradients accumulate (rLLM's fully-async chunks).
+    ``mini_batch_boundaries``: ``(start, end)`` row ranges, one per optimizer step (default: all
+    real rows). DP padding rows get advantage 0 and never count as sequences. ``scale``: the share
+    of an optimizer step these rows are, when its gradients accumulate over several calls
+    (rLLM's fully-async chunks).
     """
     key = loss_reduction.replace("-", "_")
     if key not in SKYRL_LOSS_REDUCTIONS:

@@ -1,10 +1,9 @@
 """SkyRL's ``TrainingInputBatch`` layout, written once: right-aligned responses, DP padding, row slices.
 
 SkyRL's rows (``skyrl/train/dataset/preprocess.py``) are ``[PAD | prompt | response]`` with
-response-level tensors ``[B, response_len]`` right-aligned, so a row's response tokens are its
-*last* ``n`` positions. Every rank of a data-parallel group must get the same number of rows:
-batches are padded with SkyRL's own ``pad_training_input_batch`` (copies of row 0 whose
-``loss_mask`` is 0). ``metadata`` keys this package reads and keeps consistent:
+response-level tensors ``[B, response_len]`` right-aligned: a row's response is its *last* ``n``
+positions. Every data-parallel rank must get as many rows, so batches are padded with SkyRL's
+``pad_training_input_batch`` (copies of row 0, ``loss_mask`` 0). ``metadata`` keys kept consistent:
 
     uids             group id per row (SkyRL's prompt identity); pad rows get SkyRL's ``pad<i>``
     row_ids          who a row came from, for error messages; pad rows get ``PAD_ROW_ID``
@@ -26,10 +25,10 @@ PAD_ROW_ID = "<pad>"
 
 
 class Span(NamedTuple):
-    """Sampled tokens of a row's response window: ``length`` of them from ``column`` (0 is the
-    window's first token). They get ``loss_mask`` 1, their ``logprobs`` and ``advantages`` (one value
-    per token or one for all of them); the window's other tokens are context (observations between
-    turns): ``loss_mask`` 0, logprob and advantage 0."""
+    """Sampled tokens of a row's response window, from ``column`` (0: the window's first token).
+
+    ``advantages`` is one value per token or one for all. The window's other tokens are context
+    (observations between turns): ``loss_mask``, logprob and advantage 0."""
 
     column: int
     length: int
@@ -38,12 +37,9 @@ class Span(NamedTuple):
 
 
 class RowSpec(NamedTuple):
-    """One row: its ids (prompt, then response window), how many of them are prompt, the trained spans
-    of its window, and the outcome reward on its last token.
-
-    The ids are one array: a merged multi-turn row is its last step's prompt and response, a run of
-    the buffer its ids were read into, copied into the batch at once.
-    """
+    """One row: ids (prompt, then response window), the window's trained spans, and the outcome
+    reward on its last token. The ids are one array (a merged multi-turn row is a run of the buffer
+    its ids were read into), so they are copied into the batch at once."""
 
     tokens: np.ndarray
     prompt_length: int
@@ -74,11 +70,8 @@ def build_rows(
 ) -> dict[str, torch.Tensor]:
     """Rows -> SkyRL's tensors, exactly as ``convert_prompts_responses_to_batch_tensors`` lays them out.
 
-    ``sequences`` (int64) left-padded ``[PAD | prompt | response]`` with its ``attention_mask``;
-    ``response_mask``, ``loss_mask``, ``rewards`` and, when asked for, ``rollout_logprobs`` and
-    ``advantages`` (float32) right-aligned in ``[B, max_response]``. SkyRL's builder takes one
-    Python list per row and field; this one copies each row's ids and its spans' values straight
-    into preallocated arrays, which keeps a 2 M-token batch in tens of milliseconds.
+    SkyRL's builder takes one Python list per row and field; this one copies each row's ids and
+    spans straight into preallocated arrays, which keeps a 2 M-token batch in tens of milliseconds.
     """
     if not rows:
         raise ValueError("no rows to lay out")
@@ -127,7 +120,7 @@ def build_rows(
 
 
 def right_aligned(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:
-    """Per-row arrays (each a row's response tokens) -> ``[B, width]`` float32, right-aligned.
+    """Per-row response arrays -> ``[B, width]`` float32, right-aligned.
 
     One scatter of the concatenated rows, not a tensor per row: a step's worker outputs are
     hundreds of short rows.
@@ -154,7 +147,6 @@ def stack_rows(outputs: Sequence[Mapping[str, Any]], key: str) -> torch.Tensor:
 
 
 def real_rows(batch: TrainingInputBatch) -> int:
-    """Rows that are not DP padding."""
     return batch.batch_size - int((batch.metadata or {}).get("pad_size", 0))
 
 
@@ -175,20 +167,19 @@ def row_slice(batch: TrainingInputBatch, start: int, end: int, dp_size: int) -> 
     """Real rows ``[start, end)`` as a batch of their own, metadata to match, padded for ``dp_size``."""
     if not 0 <= start < end <= real_rows(batch):
         raise ValueError(f"rows [{start}, {end}) are outside the {real_rows(batch)} real rows")
-    part = batch.slice(start, end)
-    metadata = dict(batch.metadata)
-    for key in ("uids", "row_ids"):
-        if key in metadata:
-            metadata[key] = list(metadata[key][start:end])
-    metadata["pad_size"] = 0
-    part.metadata = metadata
-    return pad_to_multiple(part, dp_size)
+    return _padded_part(batch, batch.slice(start, end), range(start, end), dp_size)
 
 
 def select_rows(batch: TrainingInputBatch, rows: Sequence[int], dp_size: int) -> TrainingInputBatch:
     """Any real rows (e.g. the rows of one role within a mini-batch), metadata to match, padded."""
     index = torch.tensor(list(rows), dtype=torch.long)
     part = TrainingInputBatch({key: None if value is None else value[index] for key, value in batch.items()})
+    return _padded_part(batch, part, rows, dp_size)
+
+
+def _padded_part(
+    batch: TrainingInputBatch, part: TrainingInputBatch, rows: Sequence[int], dp_size: int
+) -> TrainingInputBatch:
     metadata = dict(batch.metadata)
     for key in ("uids", "row_ids"):
         if key in metadata:

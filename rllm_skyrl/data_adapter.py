@@ -1,27 +1,14 @@
 """Trajectory groups (and SFT pairs) -> SkyRL ``TrainingInputBatch``: where episodes become tensors.
 
 Pure data processing: no Ray, no network, no files. Inputs are read by attribute, so rLLM's
-pydantic types and ``rllm_skyrl.records`` both work:
-``TrajectoryGroup(trajectories, group_id="task:role", metadata=[{task_id, rollout_idx}, ...])``,
-``Trajectory(uid, name=role, steps, reward)``,
-``Step(prompt_ids, response_ids, logprobs, reward, advantage, metadata)``.
-
-Row layout is SkyRL's (``skyrl/train/dataset/preprocess.py``): ``sequences`` left-padded
-``[PAD | prompt | response]``, response-level tensors right-aligned ``[B, response_len]``. The rows
-are written by ``batch_layout.build_rows``, which produces exactly what SkyRL's
-``convert_prompts_responses_to_batch_tensors`` does (the tests hold it to that) from numpy arrays
-instead of per-token Python lists. Every field is checked and read once, a chunk of trajectories
-at a time (``trajectory_checks``, ``step_reads``), before any tensor is built.
+pydantic types and ``rllm_skyrl.records`` both work. Every field is checked and read once, a chunk
+of trajectories at a time (``trajectory_checks``, ``step_reads``), before any tensor is built.
 
 Multi-turn merging (``trajectory_rows``): a step whose prompt starts with everything the row holds
-so far continues that row; its extra prompt tokens are observations (``loss_mask`` 0), its
-response tokens model tokens (``loss_mask`` 1). A step that does not extend the row starts a new one.
+so far continues that row, its extra prompt tokens being observations (``loss_mask`` 0).
 
-Keys written for the FSDP workers (``workers/worker.py`` ``_forward_backward_micro`` via
-``BaseBatchIterator.batch_to_experience``): ``sequences``, ``attention_mask``, ``response_mask``,
-``loss_mask``, ``rewards``, ``rollout_logprobs``, ``action_log_probs`` and, when known,
-``advantages``. ``action_log_probs`` (the loss's "old" policy) start as the sampler's logprobs,
-which is Tinker's convention; a backend that wants a proximal policy overwrites them with
+``action_log_probs`` (the loss's "old" policy) start as the sampler's logprobs, which is Tinker's
+convention; a backend that wants a proximal policy overwrites them with
 ``dispatch.forward("policy", batch)``. ``values``/``returns`` (critic) and
 ``base_action_log_probs`` (KL to a reference) are added later by whoever computes them.
 """
@@ -51,13 +38,11 @@ class EmptyBatchError(ValueError):
 class BatchConfig:
     """How trajectories become rows. Built once from the run config.
 
-    ``dp_size``: the batch is padded to a multiple of it with copies of row 0 whose ``loss_mask`` is
-    all 0 (SkyRL's ``pad_training_input_batch``). Policy losses are masked sums, so those rows add
-    nothing. Losses that average over rows (SkyRL's critic loss, the KL term) count them as zero
-    rows, which scales those terms by real/padded rows (at most ``dp_size - 1`` extra rows).
-    ``drop_malformed``: drop a bad trajectory and count it instead of raising.
+    ``dp_size``: pad rows (``loss_mask`` 0) add nothing to policy losses, which are masked sums;
+    losses that average over rows (SkyRL's critic loss, the KL term) count them as zero rows, which
+    scales those terms by real/padded rows (at most ``dp_size - 1`` extra rows).
     ``use_precomputed_advantages``: read ``step.advantage`` (a float or one value per response
-    token) instead of a per-trajectory scalar, as rLLM's ``use_precomputed_advantage`` does.
+    token), as rLLM's ``use_precomputed_advantage`` does.
     """
 
     pad_token_id: int
@@ -71,11 +56,7 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class BatchStats:
-    """What the conversion did, per kept trajectory and per row; ``metrics()`` uses rLLM's names.
-
-    ``drop_reasons[i]`` is the message of the i-th dropped item and ``drop_fields[i]`` the field
-    it failed on (``MalformedTrajectoryError.field_name``).
-    """
+    """What the conversion did, per kept trajectory and per row; ``metrics()`` uses rLLM's names."""
 
     num_pad_rows: int = 0
     dropped_malformed: int = 0
@@ -124,19 +105,13 @@ def trajectory_groups_to_batch(
     config: BatchConfig,
     trajectory_advantages: Sequence[Sequence[float]] | None = None,
 ) -> tuple[TrainingInputBatch, BatchStats]:
-    """Turn trajectory groups into one padded ``TrainingInputBatch`` plus conversion stats.
+    """Trajectory groups -> one padded ``TrainingInputBatch`` plus conversion stats.
 
-    ``trajectory_advantages[g][t]`` is the scalar advantage of trajectory ``t`` of group ``g``
-    (e.g. ``compute_group_advantages(...).advantages_by_group``), broadcast to its model tokens.
-    Leave it ``None`` to build a batch without advantages (GAE adds them after the critic's
-    forward) or when ``config.use_precomputed_advantages`` reads them from the steps.
-
-    Every trajectory is checked (``trajectory_checks``) before any tensor is built. A malformed one
-    raises ``MalformedTrajectoryError``, or with ``config.drop_malformed`` is dropped and counted
-    (a group whose ``trajectories`` is unusable counts as one drop).
-
-    ``metadata``: ``uids`` (group id per row: SkyRL's prompt identity, contiguous), ``row_ids``
-    (who a row came from, for error messages), ``response_length``, ``pad_size``.
+    ``trajectory_advantages[g][t]`` is the scalar advantage of trajectory ``t`` of group ``g``,
+    broadcast to its model tokens; ``None`` builds a batch without advantages (GAE adds them after
+    the critic's forward) or reads them from the steps (``config.use_precomputed_advantages``).
+    A malformed trajectory raises ``MalformedTrajectoryError``, or with ``config.drop_malformed``
+    is dropped and counted (a group whose ``trajectories`` is unusable counts as one drop).
     """
     if config.dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {config.dp_size}")
@@ -189,9 +164,7 @@ def trajectory_groups_to_batch(
     if not rows:
         detail = f" (first: {dropped[0]})" if dropped else ""
         raise EmptyBatchError(f"no trainable rows: {len(dropped)} trajectories dropped as malformed{detail}")
-
-    # The outcome reward sits on each row's last token, which is always a model token; SkyRL's
-    # GAE reads rewards per token from there.
+    # Each row's outcome reward goes on its last token, always a model token: SkyRL's GAE reads it there.
     fields = build_rows(
         config.pad_token_id, [row.spec() for row in rows], logprobs=True, advantages=needs_advantages
     )
@@ -252,10 +225,9 @@ def sft_examples_to_batch(
 ) -> TrainingInputBatch:
     """``(prompt_ids, response_ids)`` pairs -> a ``cross_entropy`` batch (loss on response tokens only).
 
-    Ids follow the same rules as a step's (``trajectory_checks``). SkyRL's ``cross_entropy`` loss is a
-    masked sum. ``loss_reduction="token_mean"`` scales ``loss_mask`` by 1 / (response tokens in the
-    batch), as SkyRL's SFT ``DefaultCollator`` does, so the summed loss is a per-token mean across
-    micro-batches and DP ranks; ``"sum"`` keeps 0/1.
+    SkyRL's ``cross_entropy`` loss is a masked sum: ``loss_reduction="token_mean"`` scales
+    ``loss_mask`` by 1 / (response tokens in the batch), as SkyRL's SFT ``DefaultCollator`` does, so
+    the summed loss is a per-token mean across micro-batches and DP ranks; ``"sum"`` keeps 0/1.
     """
     if loss_reduction not in ("token_mean", "sum"):
         raise ValueError(f"loss_reduction must be 'token_mean' or 'sum', got {loss_reduction!r}")

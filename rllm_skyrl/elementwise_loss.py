@@ -1,12 +1,10 @@
 """Each token's term of a SkyRL policy loss, recomputed on the driver for Tinker's ``elementwise_loss``.
 
-SkyRL's policy worker returns per-row logprobs only. The term is recomputed by SkyRL's registered
-loss function on those logprobs: its result is ``sum(l * loss_mask)`` with a per-token ``l`` that
-does not depend on the mask, so the gradient of that sum with respect to the mask is exactly ``l``
-(one call on ``[B, T]`` tensors, no copy of the formula). That holds for the losses in
-``_MASK_GRADIENT_LOSSES`` and not when ``trainer.algorithm.off_policy_correction`` is on, because
-sequence-level masks and ratios make a token's term depend on the rest of its row; then there is
-no term (None).
+SkyRL's policy worker returns per-row logprobs only. SkyRL's registered loss, run on them, is
+``sum(l * loss_mask)`` with a per-token ``l`` independent of the mask, so its gradient with respect
+to the mask is exactly ``l`` (one call, no copy of the formula). That holds for
+``_MASK_GRADIENT_LOSSES`` but not under ``trainer.algorithm.off_policy_correction``, whose
+sequence-level masks and ratios tie a token's term to its row; then there is no term (None).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from rllm_skyrl.batch_layout import right_aligned
 from rllm_skyrl.losses import ResolvedLoss
 
-# SkyRL losses whose per-token term is independent of ``loss_mask``.
 _MASK_GRADIENT_LOSSES = ("regular", "importance_sampling", "cispo", "dppo")
 
 
@@ -31,14 +28,15 @@ class ElementwisePolicyLoss:
 
     def __init__(self, algorithm: Any) -> None:
         self.algorithm = algorithm
-        self._configs: dict[str, Any] = {}  # see _config
+        self._configs: dict[str, Any] = {}
 
     def forget_configs(self) -> None:
         self._configs.clear()
 
     def _config(self, resolved: ResolvedLoss) -> Any:
-        """The policy's AlgorithmConfig with ``resolved``'s overrides, None when the elementwise
-        recomputation is not exact for it; kept per override set (merging costs milliseconds a step)."""
+        """The policy's AlgorithmConfig with ``resolved``'s overrides merged as the worker merges them
+        (OmegaConf, ``_forward_backward_micro``); None when the recomputation is not exact. Kept per
+        override set: merging costs milliseconds a step."""
         from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (
             off_policy_correction_enabled,
         )
@@ -57,11 +55,7 @@ class ElementwisePolicyLoss:
     def per_token(
         self, resolved: ResolvedLoss, batch: TrainingInputBatch, logprobs: list[list[float]]
     ) -> torch.Tensor | None:
-        """Each token's term of SkyRL's policy loss (times ``loss_mask``), or None when not exact.
-
-        The worker merges ``loss_fn_config`` into its AlgorithmConfig with OmegaConf
-        (``worker.py`` ``_forward_backward_micro``); the same merge is done here.
-        """
+        """Each token's term of SkyRL's policy loss (times ``loss_mask``), or None when not exact."""
         from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
         config = self._config(resolved)

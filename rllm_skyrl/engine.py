@@ -1,10 +1,8 @@
 """``SkyRLEngine``: rLLM's rollout-engine contract over SkyRL's ``RemoteInferenceClient``.
 
-Workflows call ``get_model_response(messages)``; the engine applies the tokenizer's chat template
-itself and sends token ids (token in, token out), so the ids and logprobs in the returned
-``ModelOutput`` are exactly what the policy sampled -- no re-tokenisation drift between rollout
-and training. It only ever talks to the client, so the same engine drives the CPU server in
-``rllm_skyrl.inference`` and SkyRL's vLLM servers on GPU.
+The engine applies the chat template itself and sends token ids, so the ids and logprobs it
+returns are exactly what the policy sampled: no re-tokenisation drift between rollout and training.
+It only talks to the client, so it drives this package's CPU server and SkyRL's vLLM servers alike.
 """
 
 from __future__ import annotations
@@ -50,10 +48,8 @@ class TokenOutput:
 
 
 def policy_model_name(run: Any) -> str | None:
-    """The ``model`` rollouts name: SkyRL's adapter name for a LoRA policy, else the servers' base model.
-
-    The name is SkyRL's (``resolve_policy_model_name``): the one its weight sync loads the adapter under.
-    """
+    """The ``model`` rollouts name: for a LoRA policy the name SkyRL's weight sync loads the adapter
+    under, else None (the servers' base model)."""
     if not run.lora.enabled:
         return None
     from skyrl.backends.skyrl_train.inference_servers.utils import resolve_policy_model_name
@@ -69,20 +65,16 @@ def termination_reason(output: ModelOutput) -> str | None:
 class SkyRLEngine:
     """rLLM ``RolloutEngine`` semantics on top of ``RemoteInferenceClient``.
 
-    ``client`` handles the control plane (sleep/wake, and its ``server_urls`` fan-out); data
-    requests go to ``data_clients`` (default: ``[client]``), chosen by session id so the turns of
-    one multi-turn rollout land on the same server. ``is_validation`` (set by the workflow
-    engine) switches between the train and validation sampling params. The backend bumps
-    ``weight_version`` after every weight sync; outputs are stamped with the version live when
-    their request started.
+    ``client`` handles the control plane (sleep/wake fan-out); data requests go to ``data_clients``,
+    chosen by session id so the turns of one multi-turn rollout land on the same server. rLLM's
+    workflow engine sets ``is_validation``; the backend bumps ``weight_version`` after every weight
+    sync, and outputs are stamped with the version live when their request started.
 
-    ``request_seed`` (None: off) gives every request its own sampling seed, derived from that base
-    seed, the weight version, train/validation, the prompt tokens and how many requests with the
-    same prompt came before it at this weight version. Sampling then depends only on what is asked
-    and when in training it is asked, not on server RNG state, so a run resumed from a checkpoint
-    samples exactly what the uninterrupted run sampled. A ``seed`` passed by the caller wins. A
-    prompt's repeats take consecutive seeds, so they still go to the server as one ``sample`` call
-    (``request_batching``; ``rollout_sampling.RequestSeeds``).
+    ``request_seed`` (None: off) seeds every request from the weight version, train/validation, the
+    prompt and how many requests with that prompt came before at this version: sampling then does
+    not depend on server RNG state, so a run resumed from a checkpoint samples exactly what the
+    uninterrupted run sampled. A caller's ``seed`` wins. A prompt's repeats take consecutive seeds,
+    so they still go to the server as one ``sample`` call (``rollout_sampling.RequestSeeds``).
     """
 
     def __init__(
@@ -139,11 +131,11 @@ class SkyRLEngine:
         uses_lora_weight_sync: bool = False,
         **kwargs: Any,
     ):
-        """An engine over inference servers addressed directly (no router): one client per server
-        for data, plus one that fans control calls out to all of them.
+        """An engine over servers addressed directly (no router): one client per server for data,
+        plus one that fans control calls out to all of them.
 
-        ``uses_lora_weight_sync``: the policy is a LoRA adapter (pass its name as ``model``); SkyRL's
-        client then refuses requests that name no model instead of sampling the base model.
+        ``uses_lora_weight_sync``: SkyRL's client then refuses requests that name no model (pass the
+        adapter's name as ``model``) instead of sampling the base model.
         """
         from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
 
@@ -188,23 +180,15 @@ class SkyRLEngine:
 
     @property
     def chat_parser(self) -> Any:
-        """rLLM's parser for this model's chat template (built on first use; None without rLLM).
-
-        rLLM's workflows render prompts with it (``CumulativeWorkflow`` counts prompt tokens that
-        way), as they do with rLLM's verl engine.
-        """
+        """rLLM's parser for the chat template (None without rLLM): rLLM's workflows render prompts
+        with it (``CumulativeWorkflow`` counts prompt tokens that way), as with rLLM's verl engine."""
         if self._chat_parser is None:
             self._chat_parser = rllm_api.chat_parser(self.tokenizer, disable_thinking=self.disable_thinking)
         return self._chat_parser
 
-    # ------------------------------------------------------------------ rollouts
     async def get_model_response(self, messages: list[dict[str, Any]], **kwargs: Any) -> ModelOutput:
-        """Template ``messages``, sample a completion, return it parsed.
-
-        Raises ``TerminationEvent("max_prompt_length_exceeded")`` (rLLM's class if installed)
-        when the templated prompt exceeds ``max_prompt_length``; a response cut at the token
-        limit comes back with ``finish_reason="length"`` (see ``termination_reason``).
-        """
+        """Raises ``TerminationEvent("max_prompt_length_exceeded")`` (rLLM's class if installed) for a
+        prompt over ``max_prompt_length``; a response cut at the limit has ``finish_reason="length"``."""
         weight_version = self.weight_version
         tools = kwargs.pop("tools", None)
         accumulate_reasoning = bool(kwargs.pop("accumulate_reasoning", False))
@@ -222,7 +206,7 @@ class SkyRLEngine:
         tools: list[dict[str, Any]] | None = None,
         accumulate_reasoning: bool = False,
     ) -> list[int]:
-        """Prompt ids: the tokenizer's own chat template, or rLLM's parser when asked to render with it
+        """Prompt ids: the tokenizer's chat template, or rLLM's parser when asked to render with it
         (``rollout_engine.bypass_render_with_parser``, as rLLM's tinker engine does).
 
         Every task is rolled out n times at once, so the same messages come n times in a row: the
@@ -261,12 +245,8 @@ class SkyRLEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def get_token_output_from_token_input(self, token_input: list[int], **kwargs: Any) -> TokenOutput:
-        """Sample a completion of ``token_input``.
-
-        A request the server aborts (a weight sync paused it with ``mode=abort``) is resumed by
-        resubmitting prompt + partial completion for the remaining budget, so callers never see
-        ``finish_reason="abort"``.
-        """
+        """A request the server aborts (a weight sync paused it with ``mode=abort``) is resumed with
+        prompt + partial completion for the remaining budget: callers never see ``"abort"``."""
         enforce = kwargs.pop("enforce_max_prompt_length", True)
         flags = (kwargs.pop("validate", False), kwargs.pop("is_validation", False))
         validate = self.is_validation or any(flags)
@@ -341,12 +321,11 @@ class SkyRLEngine:
             return self.data_clients[zlib.crc32(str(session_id).encode()) % len(self.data_clients)]
         return self.data_clients[next(self._round_robin)]
 
-    # ------------------------------------------------------------------ memory
     async def wake_up(self) -> None:
         await self.client.wake_up()
 
     async def close(self) -> None:
-        """Close the clients' HTTP sessions (inside the event loop that opened them)."""
+        """Call inside the event loop that opened the clients' HTTP sessions."""
         for client in {id(c): c for c in [self.client, *self.data_clients]}.values():
             await client.teardown()
 

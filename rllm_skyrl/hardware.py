@@ -1,22 +1,8 @@
 """CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
 
-Everything that differs between a GPU cluster and a laptop is answered by one ``Platform`` object,
-built once per run (``Platform.detect()``) and asked by everyone else. Which patch sets apply where
-is ``compat``'s table; this module holds the platform's facts and SkyRL settings.
-
-| question | CUDA | CPU |
-|---|---|---|
-| servers (``server_kind``) | SkyRL's vLLM servers | this package's transformers servers |
-| weight sync (``weight_sync_method``) | SkyRL's own transfer | HF save + reload; LoRA: adapter files |
-| Ray resources (``ray_resources``) | what Ray detects | logical GPUs (a scheduling token) |
-| priority of Ray's workers (``ray_system_config``) | Ray's (niceness 15) | the driver's (niceness 0) |
-| SkyRL settings (``skyrl_overrides``) | sdpa without flash-attn | sdpa, ``CPU_CONFIG`` |
-| FSDP re-gathers each layer for the backward (``reshard_after_forward``) | yes (SkyRL's default) | no |
-| patch sets (``compat.for_platform``) | bug fixes only | bug fixes, CPU enablement, speed |
-
-flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
-
-Servers given by URL (``inference.urls``) are used on either platform.
+Everything that differs between a GPU cluster and a laptop is asked of one ``Platform``, built once
+per run; which patch sets apply where is ``compat``'s table. flash-attn is optional on CUDA (PyPI
+has no wheels for it): without it SkyRL trains with sdpa.
 """
 
 from __future__ import annotations
@@ -31,7 +17,6 @@ from typing import Any
 # size 2 each. They only gate scheduling; nothing runs on them.
 CPU_LOGICAL_GPUS = 8
 
-# The machine has no NVIDIA driver when none of these exist; torch then sees no CUDA device.
 NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 # SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
@@ -84,10 +69,6 @@ class Platform:
         """The platform ``rllm-skyrl plan`` describes from any machine: CUDA with flash-attn."""
         return cls(cuda=True, flash_attn=True)
 
-    @property
-    def name(self) -> str:
-        return "cuda" if self.cuda else "cpu"
-
     def server_kind(self, urls: list[str] | tuple[str, ...] | None) -> str:
         """Given URLs, else SkyRL's vLLM servers on CUDA, else this package's CPU servers."""
         if urls:
@@ -95,13 +76,11 @@ class Platform:
         return "skyrl_vllm" if self.cuda else "cpu_transformers"
 
     def weight_sync_method(self, lora: bool = False) -> str:
-        """``skyrl`` on CUDA, ``lora`` or ``disk`` on CPU.
+        """``skyrl`` (``save_weights_for_sampler``, SkyRL's transfer into vLLM) on CUDA.
 
-        ``skyrl``: ``save_weights_for_sampler``, SkyRL's transfer into vLLM; for a LoRA policy SkyRL
-        writes the adapter and has vLLM load it. On CPU that call cannot run (its set-up needs vLLM),
-        so a LoRA policy takes SkyRL's adapter sync directly (``lora``: the worker writes the adapter
-        and asks every server to load it), and full weights go through ``disk`` (HF save, then the
-        server's own reload endpoint: SkyRL has no from-disk path for full weights).
+        On CPU that call cannot run (its set-up needs vLLM): a LoRA policy takes SkyRL's adapter sync
+        directly (``lora``: the worker writes the adapter and every server loads it), full weights go
+        through ``disk`` (HF save, then the server's reload endpoint: SkyRL has no from-disk path).
         """
         if self.cuda:
             return "skyrl"
@@ -109,11 +88,10 @@ class Platform:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """SkyRL's default for the trained models' ``fsdp_config.reshard_after_forward`` here.
+        """The trained models' ``fsdp_config.reshard_after_forward`` unless set.
 
-        Resharding frees each layer's gathered weights after the forward and gathers them again
-        for the backward: GPU memory saved for a second copy. On CPU memory is not the limit and
-        the copy is time (6% of a SmolLM2-135M forward-backward), so the weights stay gathered.
+        Resharding re-gathers each layer's weights for the backward to save GPU memory. On CPU memory
+        is not the limit and the copy is time (6% of a SmolLM2-135M forward-backward).
         """
         return self.cuda
 
@@ -124,8 +102,7 @@ class Platform:
         return {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
 
     def ray_init_args(self, num_cpus: int | None = None) -> dict[str, Any]:
-        """``ray.init`` arguments for a run's local Ray here (the runtime env aside): no dashboard,
-        no workers started ahead of need, and the resources and settings below."""
+        """``ray.init`` arguments for a run's local Ray (the runtime env aside)."""
         return {
             "include_dashboard": False,
             "_system_config": {"prestart_worker_first_driver": False, **self.ray_system_config()},
@@ -133,18 +110,15 @@ class Platform:
         }
 
     def ray_system_config(self) -> dict[str, Any]:
-        """Ray settings for a local start on this platform.
-
-        Ray runs its workers at niceness 15, below the driver and Ray's own daemons. On CPU the
-        training worker is where the compute is, and it shares the cores with the inference
-        server (niceness 0): every wake-up of another process then pre-empts one of the worker's
-        OpenMP threads, and the others wait for it at the next barrier. At the driver's priority
-        the quickstart's forward-backward took 2-4% less time.
+        """Ray runs its workers at niceness 15. On CPU the training worker shares the cores with the
+        inference server (niceness 0): every wake-up of another process then pre-empts one of the
+        worker's OpenMP threads, and the others wait for it at the next barrier. At the driver's
+        priority the quickstart's forward-backward took 2-4% less time.
         """
         return {} if self.cuda else {"worker_niceness": 0}
 
     def skyrl_overrides(self) -> dict[str, Any]:
-        """SkyRL config values this platform forces over the user's (they cannot work otherwise)."""
+        """SkyRL config values forced over the user's (they cannot work otherwise)."""
         overrides: dict[str, Any] = {}
         if not self.flash_attn:
             overrides.update(NO_FLASH_ATTN_CONFIG)

@@ -19,15 +19,7 @@ from pathlib import Path
 from rllm_skyrl import stop_signals
 from rllm_skyrl.errors import UserFacingError
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "clean_stop",
-    "main",
-    "one_line_errors",
-    "plan",
-    "quiet_libraries",
-]
+__all__ = ["clean_stop", "main", "one_line_errors", "plan", "quiet_libraries"]
 
 
 @contextmanager
@@ -49,13 +41,11 @@ def one_line_errors(always: bool = False) -> Iterator[None]:
 def clean_stop(always: bool = False) -> Iterator[None]:
     """A run stopped by Ctrl-C or SIGTERM shuts down what it started and exits within seconds.
 
-    Python's default SIGTERM ends the process without running ``finally`` blocks: Ray's daemons
-    follow their parent, but its agents outlive the run by half a minute. With this, SIGTERM
-    unwinds like Ctrl-C (servers, workers and Ray stopped; the log says which checkpoint a rerun
-    continues from; see ``stop_signals``). On the command line (a Hydra app, or ``always``) the
-    stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and the objects still alive are
-    frozen at exit: the interpreter's last garbage collection would otherwise walk everything
-    torch, Ray and transformers loaded, which takes 5 s on two busy cores.
+    Python's default SIGTERM skips ``finally`` blocks: Ray's agents would outlive the run by half a
+    minute. With this, SIGTERM unwinds like Ctrl-C (``stop_signals``). On the command line (a Hydra
+    app, or ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and live
+    objects are frozen at exit: the interpreter's last garbage collection would otherwise walk
+    everything torch, Ray and transformers loaded, 5 s on two busy cores.
     """
     from hydra.core.hydra_config import HydraConfig
 
@@ -80,11 +70,8 @@ def clean_stop(always: bool = False) -> Iterator[None]:
 
 
 def quiet_libraries(level: str | None = None) -> None:
-    """Keep the console for the run itself: SkyRL's start-up notes and per-request HTTP lines go.
-
-    ``RLLM_SKYRL_LOG_LEVEL=INFO`` brings them back; infrastructure logs are also in the run's
-    ``logs/`` directory.
-    """
+    """Keep the console for the run: SkyRL's start-up notes and per-request HTTP lines go
+    (``RLLM_SKYRL_LOG_LEVEL=INFO`` brings them back; the run's ``logs/`` has them too)."""
     import skyrl.utils.log  # noqa: F401  (sets SkyRL's logger to DEBUG on import: import it first)
 
     level = (level or os.environ.get("RLLM_SKYRL_LOG_LEVEL") or "WARNING").upper()
@@ -131,7 +118,6 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
 
 
 def placement_summary(run) -> str:
-    """GPUs per role and for inference, colocation, weight transfer, attention, and the GPU total."""
     from skyrl.backends.skyrl_train.weight_sync import get_transfer_strategy
 
     placement = run.skyrl.trainer.placement

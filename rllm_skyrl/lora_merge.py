@@ -1,10 +1,8 @@
 """A trained LoRA adapter folded into its base model, for tools that only know plain transformers.
 
-SkyRL exports a LoRA policy as a PEFT adapter directory (``adapter_config.json``,
-``adapter_model.safetensors``, the tokenizer): small, and served as an adapter by vLLM or this
-package's server. ``merge_adapter`` writes the other form: the base model with every adapted
-weight replaced by ``W + (alpha / r) * B @ A`` (PEFT's own ``merge_and_unload``), which
-``AutoModelForCausalLM.from_pretrained`` loads with no PEFT installed.
+SkyRL exports a LoRA policy as a PEFT adapter directory, which vLLM and this package's server
+serve as is. ``merge_adapter`` writes the base model with every adapted weight replaced by
+``W + (alpha / r) * B @ A`` (PEFT's ``merge_and_unload``), which loads with no PEFT installed.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ def merge_adapter(adapter_dir: str | Path, merged_dir: str | Path, base_model: s
     """Write base model + adapter as one transformers model directory; returns ``merged_dir``.
 
     ``base_model`` defaults to the adapter's ``base_model_name_or_path``. The merge runs in float32
-    and the result is saved in the base checkpoint's dtype. The directory appears complete or not
-    at all (written beside it, then renamed into place).
+    and is saved in the base checkpoint's dtype; the directory appears complete or not at all.
     """
     import torch
     from peft import PeftConfig, PeftModel

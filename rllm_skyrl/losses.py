@@ -1,8 +1,5 @@
 """Tinker loss names and configs -> what SkyRL's workers take, with the role check in one place.
 
-Tinker names: ``ppo``, ``importance_sampling``, ``cispo``, ``dppo``, ``gspo``, ``cross_entropy``
-(policy) and ``ppo_critic`` (critic). ``resolve_loss`` is used by both ``forward`` and ``forward_backward``.
-
 Facts from SkyRL 0.4 this table encodes (``skyrl/backends/skyrl_train/utils/ppo_utils.py``):
 
 - ``ppo`` is SkyRL's ``regular`` loss. ``ppo_policy_loss`` asserts ``policy_loss_type`` is
@@ -12,11 +9,9 @@ Facts from SkyRL 0.4 this table encodes (``skyrl/backends/skyrl_train/utils/ppo_
   (``eps_clip_low=0.2``, ``eps_clip_high=0.2``). ``gspo`` clips a sequence-level ratio (the
   geometric mean of the token ratios) with the same offsets as ``ppo``, and is written for
   ``sequence_mean`` reduction (``loss_reduction`` in its config, which SkyRL's loss checks).
-  ``cispo`` reads its own nested offsets
-  (``cispo.cispo_eps_clip_low/high``); ``dppo`` masks by probability divergence
-  (``dppo.delta_low/high``, ``dppo.dppo_type``) and has no ratio clip. ``importance_sampling`` and
-  ``cross_entropy`` read nothing. The worker merges ``loss_fn_config`` into its ``AlgorithmConfig``
-  with OmegaConf, so nested keys land on the nested dataclasses.
+  ``cispo`` reads its own nested offsets; ``dppo`` masks by probability divergence and has no ratio
+  clip. The worker merges ``loss_fn_config`` into its ``AlgorithmConfig`` with OmegaConf, so nested
+  keys land on the nested dataclasses.
 - The critic takes no ``loss_fn``: its loss is ``ppo_critic_loss`` reading ``value_clip`` from the
   worker's algorithm config, which only ``WorkerDispatch.set_algorithm_config`` changes. That
   setting persists on the workers, so when ``value_clip`` is absent here the caller should set its
@@ -126,25 +121,14 @@ def _one_of(*choices: str) -> Callable[[str, Any], str]:
     return convert
 
 
+_RATIO_CLIP = {
+    "clip_low_threshold": _Option(("eps_clip_low",), _low_threshold_to_offset),
+    "clip_high_threshold": _Option(("eps_clip_high",), _high_threshold_to_offset),
+}
 _LOSSES: dict[str, _LossSpec] = {
-    "ppo": _LossSpec(
-        "regular",
-        POLICY,
-        {
-            "clip_low_threshold": _Option(("eps_clip_low",), _low_threshold_to_offset),
-            "clip_high_threshold": _Option(("eps_clip_high",), _high_threshold_to_offset),
-        },
-    ),
+    "ppo": _LossSpec("regular", POLICY, _RATIO_CLIP),
     "importance_sampling": _LossSpec("importance_sampling", POLICY),
-    "gspo": _LossSpec(
-        "gspo",
-        POLICY,
-        {
-            "clip_low_threshold": _Option(("eps_clip_low",), _low_threshold_to_offset),
-            "clip_high_threshold": _Option(("eps_clip_high",), _high_threshold_to_offset),
-        },
-        fixed={"loss_reduction": "sequence_mean"},
-    ),
+    "gspo": _LossSpec("gspo", POLICY, _RATIO_CLIP, fixed={"loss_reduction": "sequence_mean"}),
     "cispo": _LossSpec(
         "cispo",
         POLICY,
@@ -173,7 +157,6 @@ POLICY_LOSS_NAMES = tuple(name for name, spec in _LOSSES.items() if spec.role ==
 
 
 def accepted_config_keys(loss_fn: str) -> tuple[str, ...]:
-    """The ``loss_fn_config`` keys a loss accepts (for help text and validation messages)."""
     return tuple(_LOSSES[loss_fn].options)
 
 
@@ -196,11 +179,7 @@ def _check_role(role: str, loss_fn: str) -> str:
 
 
 def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
-    """Check ``loss_fn`` against the model role and translate its config to SkyRL's keys.
-
-    Raises ``ValueError`` for an unknown role or loss, a loss on the wrong role, an unknown config
-    key (the message lists the accepted ones) or a value out of range.
-    """
+    """Check ``loss_fn`` against the model role and translate its config to SkyRL's keys."""
     name = _check_role(role, loss_fn)
     spec = _LOSSES[name]
     skyrl_config: dict[str, Any] = {} if spec.skyrl_name is None else {"policy_loss_type": spec.skyrl_name}

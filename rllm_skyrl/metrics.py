@@ -1,11 +1,8 @@
 """Metric names and definitions shared with rLLM's tinker backend, and the few the SkyRL backend adds.
 
-rLLM's backends log ``train/{kl_sample_train_v1,kl_sample_train_v2,entropy,perplexity}``,
-``progress/*``, ``time/*``, ``batch/*``, ``reward/*`` and ``val/*``; the definitions here are
-tinker's (``rllm/trainer/tinker/tinker_metrics_utils.py``), so a dashboard compares backends.
-SkyRL's workers name things differently (``policy_entropy``, ``policy_lr``, ...); ``worker_metrics``
-renames them. SkyRL's true entropy over the vocabulary is ``train/policy_entropy``: rLLM's
-``train/entropy`` is the sampled tokens' negative log-likelihood.
+Definitions are tinker's (``rllm/trainer/tinker/tinker_metrics_utils.py``), so a dashboard compares
+backends; ``worker_metrics`` renames SkyRL's. SkyRL's true entropy over the vocabulary is
+``train/policy_entropy``: rLLM's ``train/entropy`` is the sampled tokens' negative log-likelihood.
 
 Off-policy correction goes under the names rLLM's verl backend logs (``rollout_correction/*``, from
 verl's ``compute_rollout_correction_weights``) with SkyRL's definitions
@@ -14,9 +11,6 @@ verl's ``compute_rollout_correction_weights``) with SkyRL's definitions
 tokens (verl's mean is of the capped weights, and its sequence-level max of sequence ratios);
 ``rollout_is_ratio_fraction_high`` is the fraction of tokens (token TIS) or sequences (sequence TIS)
 whose weight the cap cut, as verl's.
-
-``StepMetrics`` gathers one optimizer step's metrics over however many calls make it up: rLLM's
-fully-async mode transforms and forward-backwards a step's groups in chunks before one update.
 """
 
 from __future__ import annotations
@@ -75,8 +69,7 @@ def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> di
     """How far the trainer's logprobs are from the sampler's on the same tokens, before the update.
 
     A growing gap means rollout and training disagree (precision, attention implementation,
-    stale weights). Definitions are tinker's: ``v1 = mean |Δ|``, ``v2 = mean Δ² / 2``,
-    ``entropy = -mean(sampled logprob)``, ``perplexity = exp(entropy)``, over model tokens.
+    stale weights).
     """
     rows = [output.get("logprobs", []) for output in loss_fn_outputs]
     width = batch["loss_mask"].shape[1]
@@ -115,8 +108,9 @@ _SUMMED = frozenset(
 
 
 class StepMetrics:
-    """Metrics of one optimizer step: ``time/*`` and counts are summed over calls, ``*/max`` and
-    ``*/min`` (and ``*_max``, ``*_min``, as SkyRL's workers reduce them) keep the extreme,
+    """Metrics of one optimizer step, gathered over however many calls make it up (rLLM's
+    fully-async mode forward-backwards a step's groups in chunks before one update): ``time/*`` and
+    counts are summed, ``*/max`` and ``*/min`` (and SkyRL's ``*_max``, ``*_min``) keep the extreme,
     everything else is averaged."""
 
     def __init__(self) -> None:
@@ -135,9 +129,6 @@ class StepMetrics:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self._samples[key].append(float(value))
 
-    def get(self, key: str, default: float | None = None) -> float | None:
-        return self.publish().get(key, default)
-
     def publish(self) -> dict[str, float]:
         out = {}
         for key, values in self._samples.items():
@@ -152,8 +143,7 @@ class StepMetrics:
         return out
 
     def publish_step(self, trainer_state: Any) -> dict[str, float]:
-        """The step's metrics as rLLM's tinker backend reports them: everything gathered, plus
-        ``time/<name>`` for each of the trainer's timers, ``progress/*`` and rollout tokens/s."""
+        """The step's metrics as rLLM's tinker backend reports them, with the trainer's timers."""
         metrics = self.publish()
         for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
             metrics.setdefault(f"time/{name}", seconds)

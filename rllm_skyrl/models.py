@@ -1,33 +1,14 @@
 """Trainable models by id: a Tinker-style training API over ``SkyRLWorkers``.
 
-Tinker clients name a model (``model_id``) in every call; SkyRL's ``WorkerDispatch`` names a role
-(``policy``, ``critic``). ``ModelRegistry`` keeps the map between them and gives every call the
-same shape: ``forward`` / ``forward_backward`` take a ``TrainingInputBatch`` and Tinker loss names,
-and return ``ForwardBackwardOutput`` (SkyRL's Tinker type) with one entry per real row.
+Tinker clients name a model (``model_id``) in every call; SkyRL's ``WorkerDispatch`` names a role.
+At most one model per role, because the workers hold one policy and one critic actor group. ``""``
+is Tinker's id for the base model behind ``create_sampling_client(base_model=...)``: it can be
+sampled but not trained, so every call here refuses it with that explanation.
 
-Model ids:
-
-- At most one model per role, because the workers hold one policy and one critic actor group.
-  A critic shares the policy's base model path by default and trains with its own optimizer.
-- ``""`` is Tinker's id for the base model behind ``create_sampling_client(base_model=...)``:
-  it can be sampled but is not trainable, so every call here refuses it with that explanation.
-
-Loss names go through ``losses.resolve_loss`` (role check, Tinker -> SkyRL names and config keys)
-for ``forward`` and ``forward_backward`` alike. The critic's loss is always ``ppo_critic`` (``ppo``
-is accepted and mapped to it); ``loss_fn=None`` on the critic means ``ppo_critic``.
-
-Per-row outputs (``loss_fn_outputs[i][key] = {"data": [...], "dtype": "float32", "shape": [n]}``,
-``n`` = the row's response tokens, pad rows dropped):
-
-- policy, ``cross_entropy``: ``logprobs``, ``elementwise_loss`` (``-logprob * loss_mask``), both from
-  the worker.
-- policy, RL losses (``ppo``, ``importance_sampling``, ``cispo``, ``dppo``): ``logprobs`` from the
-  worker, which returns nothing else per row. ``elementwise_loss`` is recomputed on the driver
-  from the returned logprobs (``rllm_skyrl.elementwise_loss``); its entries sum to the policy loss.
-  It is left out where that recomputation is not exact (``trainer.algorithm.off_policy_correction``).
-- critic, ``forward``: ``values``. Critic ``forward_backward``: SkyRL's critic worker returns
-  metrics only, so rows come back as empty dicts; call ``forward`` for values.
-- ``forward`` without a loss: ``logprobs`` (policy) or ``values`` (critic), no metrics.
+Per-row outputs (Tinker's ``TensorData``) hold the row's response tokens only, pad rows dropped.
+SkyRL's policy worker returns only logprobs per row for RL losses, so their ``elementwise_loss`` is
+recomputed on the driver (``rllm_skyrl.elementwise_loss``) and left out where that is not exact.
+SkyRL's critic worker returns metrics only from ``forward_backward``: call ``forward`` for values.
 
 ``metrics["loss"]`` is the scalar loss under one key for every path: the worker's ``loss`` for
 ``cross_entropy``, ``final_loss`` (policy term plus any KL/entropy terms) for RL losses,
@@ -86,8 +67,6 @@ class ModelRegistry:
         # a later set_algorithm_config of policy_loss_type does not change it.
         self._built_policy_loss = workers.cfg.trainer.algorithm.policy_loss_type
 
-    # ------------------------------------------------------------------ registry
-
     @property
     def model_ids(self) -> tuple[str, ...]:
         return tuple(self._models)
@@ -140,11 +119,6 @@ class ModelRegistry:
         except KeyError:
             raise ValueError(f"unknown model_id {model_id!r}; known ids: {list(self._models)}") from None
 
-    def role_of(self, model_id: str) -> str:
-        return self.get(model_id).role
-
-    # ------------------------------------------------------------------ training calls
-
     def _resolve(
         self,
         model_id: str,
@@ -152,9 +126,7 @@ class ModelRegistry:
         loss_fn_config: Mapping[str, Any] | None,
         training: bool,
     ) -> tuple[TrainingModel, ResolvedLoss | None]:
-        """The role check and name mapping shared by ``forward`` and ``forward_backward``.
-
-        No loss name means: the critic's own loss, a plain forward for the policy, and an error
+        """No loss name means: the critic's own loss, a plain forward for the policy, and an error
         for a policy update (it must say what it optimises). A loss the run config already
         resolved (``ResolvedLoss``) is only checked against the model's role.
         """
@@ -187,7 +159,7 @@ class ModelRegistry:
         loss_fn: str | ResolvedLoss | None = None,
         loss_fn_config: Mapping[str, Any] | None = None,
     ) -> ForwardBackwardOutput:
-        """Forward without an update: per-row logprobs (or values), plus the loss when one is named."""
+        """Per-row logprobs (or values), plus the loss when one is named; no update."""
         model, resolved = self._resolve(model_id, loss_fn, loss_fn_config, training=False)
         padded, n_real = self._padded(batch, model.role)
         if model.role == CRITIC or resolved is None:
@@ -210,8 +182,8 @@ class ModelRegistry:
     ) -> ForwardBackwardOutput:
         """Accumulate gradients of the named loss; ``optim_step`` applies them.
 
-        ``elementwise_loss=False`` leaves an RL loss's per-token terms out of the rows (their
-        recomputation is a backward pass of its own) for callers that read only the logprobs.
+        ``elementwise_loss=False`` skips an RL loss's per-token terms (their recomputation is a
+        backward pass of its own) for callers that read only the logprobs.
 
         Several calls before one ``optim_step`` equal one call on the concatenated rows, provided
         the rows carry the reduction for the whole set: policy losses are masked sums (scale
@@ -234,7 +206,7 @@ class ModelRegistry:
 
     def optim_step(self, model_id: str) -> float | None:
         """Apply the accumulated gradients; returns the gradient norm before clipping."""
-        role = self.role_of(model_id)
+        role = self.get(model_id).role  # an unknown id fails before the workers are asked
         return self.workers.optim_step(role)
 
     def set_algorithm_config(self, model_id: str, **settings: Any) -> None:
@@ -243,7 +215,7 @@ class ModelRegistry:
         For the critic, a ``value_clip`` in a call's ``loss_fn_config`` applies to that call only;
         calls without one use the value set here.
         """
-        role = self.role_of(model_id)
+        role = self.get(model_id).role
         algorithm = self._algorithm[role]
         unknown = [key for key in settings if not hasattr(algorithm, key)]
         if unknown:
@@ -258,33 +230,29 @@ class ModelRegistry:
     def save_hf_model(self, model_id: str, export_dir: str, merged_dir: str | None = None) -> None:
         """Export the model's current weights as an HF model directory (with the tokenizer).
 
-        A LoRA policy exports its PEFT adapter (``PeftModel.from_pretrained(base, export_dir)``);
-        ``merged_dir`` then also receives the base model with the adapter merged in, which plain
-        transformers loads. A fully trained model is already plain transformers: no ``merged_dir``.
+        A LoRA policy exports its PEFT adapter; ``merged_dir`` then also receives the base model with
+        the adapter merged in, which plain transformers loads.
         """
-        role = self.role_of(model_id)
-        lora = getattr(self.workers.cfg.trainer, role).model.lora.rank > 0
+        model = self.get(model_id)
+        lora = getattr(self.workers.cfg.trainer, model.role).model.lora.rank > 0
         if merged_dir is not None and not lora:
             raise ValueError(
                 f"merged_dir: model {model_id!r} trains all its weights (no LoRA adapter to merge); "
                 f"{export_dir} already holds a plain transformers model"
             )
-        self.workers.save_hf_model(role, export_dir)
+        self.workers.save_hf_model(model.role, export_dir)
         if merged_dir is not None:
             from rllm_skyrl.lora_merge import merge_adapter
 
-            merge_adapter(export_dir, merged_dir, base_model=self.get(model_id).base_model)
-
-    # ------------------------------------------------------------------ plumbing
+            merge_adapter(export_dir, merged_dir, base_model=model.base_model)
 
     def _update_loss_kwargs(self, resolved: ResolvedLoss) -> dict[str, Any]:
         """The loss arguments of a policy update: only those that differ from what the workers hold.
 
-        Given a loss by name, SkyRL's worker looks it up in its function registry (a sync with Ray's
-        key-value store), and given ``loss_fn_config`` it merges that into its AlgorithmConfig with
-        OmegaConf, once per micro-batch (10-30 ms here). Without them it computes its configured
-        loss (``policy_loss_fn``) with its AlgorithmConfig, which SkyRL's own trainer does; a
-        config every override of which already matches is sent as the name alone.
+        Given a loss by name, SkyRL's worker looks it up in its registry (a sync with Ray's key-value
+        store); given ``loss_fn_config`` it merges that into its AlgorithmConfig with OmegaConf, once
+        per micro-batch (10-30 ms here). Without them it computes its configured loss, as SkyRL's
+        own trainer does.
         """
         algorithm = self._algorithm[POLICY]
         if any(getattr(algorithm, key, _MISSING) != value for key, value in resolved.skyrl_config.items()):
@@ -299,7 +267,6 @@ class ModelRegistry:
             self._critic_value_clip_on_workers = value_clip
 
     def _padded(self, batch: TrainingInputBatch, role: str) -> tuple[TrainingInputBatch, int]:
-        """The batch padded to a multiple of the role's DP size, and how many rows are real."""
         return pad_to_multiple(batch, self.workers.dp_size(role)), real_rows(batch)
 
     def _policy_output(
@@ -310,7 +277,6 @@ class ModelRegistry:
         n_real: int,
         elementwise_loss: bool = True,
     ):
-        """Worker output of a policy loss -> Tinker rows, with ``elementwise_loss`` for RL losses."""
         logprobs = [out.loss_fn_outputs[i]["logprobs"] for i in range(batch.batch_size)]
         metrics = dict(out.metrics)
         metrics["loss"] = float(metrics["final_loss"] if "final_loss" in metrics else metrics["loss"])
@@ -333,7 +299,6 @@ class ModelRegistry:
 def _tinker_output(
     output_type: str, rows: list[dict[str, Any]], metrics: dict, batch: TrainingInputBatch
 ) -> ForwardBackwardOutput:
-    """Trim every array to its row's response tokens and wrap it as Tinker ``TensorData``."""
     lengths = batch["response_mask"][: len(rows)].sum(dim=-1).tolist()
     formatted = [
         {key: tensor_data(last_tokens(values, int(length))) for key, values in row.items()}

@@ -1,34 +1,28 @@
 """Off-policy correction through SkyRL's own: which losses apply it, and bypass mode's decoupled losses.
 
-rLLM's ``rllm.algorithm.rollout_correction.tis_mode`` (``token`` | ``sequence``) with ``tis_cap`` is
-SkyRL's ``trainer.algorithm.off_policy_correction`` (``tis_ratio_type`` and its caps, bridged in
-``run_config.bridge``). SkyRL's policy losses apply it themselves
-(``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py``): each token's term (or each
-sequence's, as a product of token ratios) is weighted by ``min(exp(old - rollout), cap)``, detached,
-from the batch's ``rollout_logprobs``. Which "old" log-probs that weighs depends on
+rLLM's ``rollout_correction.tis_mode`` with ``tis_cap`` is SkyRL's
+``trainer.algorithm.off_policy_correction`` (bridged in ``run_config.bridge``), which SkyRL's policy
+losses apply themselves: each token's term (or sequence's) is weighted by
+``min(exp(old - rollout), cap)``, detached. Which "old" log-probs that weighs depends on
 ``rollout_correction.bypass_mode``:
 
 - ``false``: the backend recomputes them with a forward pass before the update (as verl does); the
   weight compares the trainer's policy before the update with the sampler's.
 - ``true``: the batch's old log-probs are the sampler's, so SkyRL's weight would be exactly 1. With
   one optimizer step per batch (always so in rLLM's fully-async mode), the trainer's own log-probs
-  in the forward-backward, detached, *are* the policy before the update. A decoupled loss here
-  (``DecoupledLoss``, registered in SkyRL's ``PolicyLossRegistry`` as SkyRL documents for custom
-  losses) calls SkyRL's registered loss with those as the old log-probs: its ratio
-  ``exp(logp - sg(logp))`` is 1 with the gradient of ``logp`` (the policy gradient at the current
-  policy) and the weight is ``min(exp(sg(logp) - rollout), cap)``: verl's decoupled PPO with the
-  current policy as the proximal one, without the extra forward pass. With several optimizer steps
-  per batch the trainer's log-probs are no longer the policy before the update, so the run config
-  refuses that combination.
-
-Which of the Tinker losses apply SkyRL's correction (``ppo``, ``gspo``, ``cispo`` with its default
-``old`` anchor) and why the others cannot take it is ``uncorrected_reason``.
+  in the forward-backward, detached, *are* the policy before the update. ``DecoupledLoss``
+  (registered in SkyRL's ``PolicyLossRegistry``) calls SkyRL's loss with those as the old
+  log-probs: its ratio ``exp(logp - sg(logp))`` is 1 with the gradient of ``logp`` and the weight
+  is ``min(exp(sg(logp) - rollout), cap)``: verl's decoupled PPO with the current policy as the
+  proximal one, without the extra forward pass. With several optimizer steps per batch that no
+  longer holds, so the run config refuses the combination.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from rllm_skyrl.losses import ResolvedLoss
@@ -55,8 +49,7 @@ _ROLLOUT_ANCHORED_CISPO = (
 def uncorrected_reason(loss: ResolvedLoss, default_cispo_anchor: str = "old") -> str | None:
     """Why SkyRL's off-policy correction cannot apply to ``loss``; None when it does.
 
-    ``default_cispo_anchor`` is the run's ``trainer.algorithm.cispo.cispo_anchor``, which a
-    ``cispo_anchor`` in the loss's own config overrides.
+    ``default_cispo_anchor``: the run's ``trainer.algorithm.cispo.cispo_anchor``.
     """
     if loss.loss_fn == "cispo":
         anchor = loss.skyrl_config.get("cispo", {}).get("cispo_anchor", default_cispo_anchor)
@@ -67,13 +60,7 @@ def uncorrected_reason(loss: ResolvedLoss, default_cispo_anchor: str = "old") ->
 def decoupled(loss: ResolvedLoss) -> ResolvedLoss:
     """``loss`` computed by its decoupled variant (same SkyRL config: ``policy_loss_type`` stays the
     base loss, which SkyRL's ppo loss asserts)."""
-    return ResolvedLoss(
-        role=loss.role,
-        loss_fn=loss.loss_fn,
-        skyrl_loss_name=_DECOUPLED + str(loss.skyrl_loss_name),
-        skyrl_config=loss.skyrl_config,
-        uses_advantages=loss.uses_advantages,
-    )
+    return replace(loss, skyrl_loss_name=_DECOUPLED + str(loss.skyrl_loss_name))
 
 
 def is_decoupled(skyrl_loss_name: str | None) -> bool:
@@ -89,11 +76,8 @@ def _registered(name: str) -> Any:
 
 
 class DecoupledLoss:
-    """SkyRL's registered loss ``base``, with the trainer's own log-probs, detached, as the old ones.
-
-    Called by SkyRL's policy worker exactly as a registered loss is
-    (``workers/worker.py``, ``_forward_backward_micro``).
-    """
+    """SkyRL's registered loss ``base``, with the trainer's own log-probs, detached, as the old ones;
+    SkyRL's policy worker calls it as any registered loss (``_forward_backward_micro``)."""
 
     def __init__(self, base: str) -> None:
         self.base = base

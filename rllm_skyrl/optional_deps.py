@@ -1,10 +1,8 @@
 """Optional dependencies: one clear ``ImportError`` that says what to install.
 
 vLLM only installs on GPU machines, Modal only matters for cloud runs, and rLLM is not on PyPI, so
-none of them is a hard dependency. Code that needs one calls ``require(name)`` where it needs it,
-instead of a bare import: a user without it then gets one error naming the install command, not a
-traceback from deep inside SkyRL or rLLM. A dependency that is installed but fails to import (a
-missing transitive dependency, a broken CUDA wheel) gets the same message plus the original error.
+none of them is a hard dependency. ``require(name)`` instead of a bare import gives a user without
+one an error naming the install command, not a traceback from deep inside SkyRL or rLLM.
 """
 
 from __future__ import annotations
@@ -61,19 +59,18 @@ class MissingDependencyError(ImportError):
                 f"({type(failure).__name__}: {failure}); reinstall it: {dependency.install}"
             )
         super().__init__(message, name=dependency.module)
-        self.dependency = dependency
 
 
 def is_installed(name: str) -> bool:
-    """Whether the dependency's top-level package can be found, without importing it."""
+    """Whether the dependency can be found, without importing it."""
     return importlib.util.find_spec(OPTIONAL[name].module) is not None
 
 
 def require(name: str, module: str | None = None) -> ModuleType:
     """Import ``module`` (default: the dependency's top-level package) or raise ``MissingDependencyError``.
 
-    ``name`` is a key of ``OPTIONAL``; ``module`` may be a submodule of it (``rllm.trainer.unified_trainer``),
-    so a dependency of the dependency that is missing is reported as a broken install of ``name``.
+    ``module`` may be a submodule (``rllm.trainer.unified_trainer``): a dependency of the dependency
+    that is missing is then reported as a broken install of ``name``.
     """
     dependency = OPTIONAL[name]
     target = module or dependency.module

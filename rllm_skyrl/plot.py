@@ -1,10 +1,7 @@
 """Training curves from a run directory: ``python -m rllm_skyrl.plot RUN_DIR [--out PATH]``.
 
-Reads ``RUN_DIR/metrics.jsonl`` (written by the tracking layer while training, so this also works
-on a run that is still going or that died) and draws four panels into ``RUN_DIR/metrics.png``:
-training reward (mean, a ± std band, and a moving average on long runs), validation pass@1 per
-data source, KL between the sampler and the trainer (plus the policy's KL to the reference when
-that loss is on), and seconds per step with its main parts.
+Reads ``RUN_DIR/metrics.jsonl``, written while training, so this also works on a run that is still
+going or that died.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the run's curves into ``out`` (default ``RUN_DIR/metrics.png``); returns the path.
 
-    Panels whose series never appear are left out; a run with none of them is an error.
+    Panels whose series never appear are left out.
     """
     import matplotlib
 

@@ -1,19 +1,13 @@
 """One RL update over a batch: forward_backward per mini-batch (and PPO epoch), optimizer steps between.
 
-The rows of one optimizer step are split into mini-batches (``training.num_minibatches``), each a
-multiple of the data-parallel size; every mini-batch is trained on every role (policy, and the
-critic for PPO) through the model registry. The last optimizer step of a batch is left to the
-caller (``update_policy``), so gradients of several calls accumulate when rLLM's fully-async mode
-hands one step's groups in chunks.
+The last optimizer step of a batch is left to the caller (``update_policy``), so gradients of
+several calls accumulate when rLLM's fully-async mode hands one step's groups in chunks.
 
 Trajectory roles may train with different policy losses (rLLM's per-role ``loss_fn_map``): a
-mini-batch is then forward-backwarded once per role on that role's rows, with its loss, and each
-role's share of the mini-batch's policy loss is ``train/policy_loss/<role>/<loss_fn>``. SkyRL's
-policy losses are masked sums over advantages already scaled for the whole mini-batch's reduction,
-so the shares add up to the unsplit loss and their gradients to exactly the unsplit gradient.
-
-Losses decoupled for off-policy correction in bypass mode (``rllm_skyrl.off_policy``) are
-registered with SkyRL here, once the workers that look them up exist.
+mini-batch is then forward-backwarded once per role on that role's rows. SkyRL's policy losses are
+masked sums over advantages already scaled for the whole mini-batch's reduction, so the roles'
+shares (``train/policy_loss/<role>/<loss_fn>``) add up to the unsplit loss and their gradients to
+exactly the unsplit gradient.
 """
 
 from __future__ import annotations
@@ -47,6 +41,7 @@ class PolicyUpdate:
         self.models = models
         self.dp_size = dp_size
         self.metrics = metrics
+        # Losses decoupled for bypass mode (``off_policy``) are registered once the workers exist.
         names = {loss.skyrl_loss_name for loss in (run.policy_loss, *run.role_losses.values())}
         if any(off_policy.is_decoupled(name) for name in names):
             off_policy.register(names)
