@@ -116,19 +116,21 @@ class SampleBatcher:
         try:
             response = await client.sample({"json": body})
         except BaseException as error:  # every caller of the batch sees the failure
-            for waiter in pending.waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            _fail(pending, error)
             if not isinstance(error, Exception):
                 raise
             return
         sequences = response["sequences"]
         if len(sequences) != len(pending.waiters):
             error = RuntimeError(f"asked the server for {len(pending.waiters)} samples, got {len(sequences)}")
-            for waiter in pending.waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            _fail(pending, error)
             return
         for waiter, sequence in zip(pending.waiters, sequences, strict=True):
             if not waiter.done():
                 waiter.set_result((sequence["tokens"], sequence["logprobs"], sequence["stop_reason"]))
+
+
+def _fail(pending: _Pending, error: BaseException) -> None:
+    for waiter in pending.waiters:
+        if not waiter.done():
+            waiter.set_exception(error)

@@ -110,8 +110,3 @@ def rllm_advantages(groups: Sequence[Any], algorithm_config: Any) -> dict[str, f
     from rllm.trainer.algorithms import collect_reward_and_advantage_from_trajectory_groups
 
     return collect_reward_and_advantage_from_trajectory_groups(list(groups), algorithm_config)
-
-
-def loss_fn_map(algorithm_config: Any) -> dict[str, str]:
-    """Per-role policy losses rLLM's ``AlgorithmConfig`` carries (``estimator_map`` tuples)."""
-    return dict(getattr(algorithm_config, "loss_fn_map", None) or {})

@@ -64,9 +64,6 @@ class RolloutLedger:
         for rollout_id in rollout_ids:
             self._calls.pop(rollout_id, None)
 
-    def __len__(self) -> int:
-        return len(self._calls)
-
 
 def _step_text(step: Any) -> str | None:
     """What the model said at this step, as the agent recorded it."""

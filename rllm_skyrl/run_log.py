@@ -71,12 +71,10 @@ class MetricsFile:
         kept = [record for record in _parse(self.path) if record["step"] <= step]
         self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
-    def append(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Write one step's numeric metrics; returns the record written."""
-        record = {"step": step, **scalar_metrics(metrics)}
+    def append(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Write one step's numeric metrics."""
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        return record
+            f.write(json.dumps({"step": step, **scalar_metrics(metrics)}) + "\n")
 
 
 class MetricsSink:

@@ -124,13 +124,6 @@ class SecretMasker(logging.Filter):
             text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}\g<at>", text)
         return text
 
-    def mask_tree(self, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: self.mask_tree(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [self.mask_tree(v) for v in value]
-        return self.mask(value) if isinstance(value, str) else value
-
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         masked = self.mask(message)

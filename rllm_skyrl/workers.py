@@ -15,7 +15,6 @@ from rllm_skyrl import compat
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import roles_for
 
-ROLES = ("policy", "critic", "ref")
 # Share of a GPU each colocated actor asks Ray for, as SkyRL's trainer does (vLLM's actors take
 # the same): the bundles of the shared placement group hold trainer and server actors together.
 COLOCATED_GPU_SHARE = 0.2
@@ -139,9 +138,6 @@ class SkyRLWorkers:
 
     def optim_step(self, role: str = "policy") -> float | None:
         return self.dispatch.optim_step(role)
-
-    def set_lr(self, role: str, learning_rate: float) -> None:
-        self.dispatch.set_lr(role, learning_rate)
 
     def set_algorithm_config(self, role: str, **kwargs) -> None:
         self.dispatch.set_algorithm_config(role, **kwargs)
