@@ -1,12 +1,10 @@
 """What the policy actually sampled, per rollout, so steps that lost their tokens can be trained on.
 
 rLLM's agent/environment workflows (``MultiTurnWorkflow``, ``CumulativeWorkflow``,
-``SingleTurnWorkflow``) hand the agent only ``output.text``: the agent's steps end up without the
-prompt ids, sampled ids and logprobs that training needs, and rLLM's other backends skip them. The
-engine knows those tokens: it records every call's output under the rollout's ``application_id``
-(rLLM passes the episode id ``"task:rollout"``), and ``restore_step_tokens`` puts them back on the
-steps, matching each step to the call whose text it holds (in call order when a step holds none).
-Token-in/token-out is kept: nothing is re-tokenised.
+``SingleTurnWorkflow``) hand the agent only ``output.text``, so its steps lack the ids and logprobs
+training needs (rLLM's other backends skip them). The engine records every call under the rollout's
+``application_id`` (rLLM passes the episode id ``"task:rollout"``), and ``restore_step_tokens`` puts
+the tokens back, matching steps to calls by text: nothing is re-tokenised.
 """
 
 from __future__ import annotations
@@ -89,11 +87,10 @@ def _rollout_id(group: Any, index: int) -> str | None:
 
 
 def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[int, int]:
-    """Fill ``prompt_ids``/``response_ids``/``logprobs`` of steps that have none; returns
-    ``(restored, unmatched)`` step counts. Steps that already carry tokens are left alone.
+    """Fill the token fields of steps that have none; ``(restored, unmatched)`` step counts.
 
-    Several agents of one rollout (several trajectories) share its calls; each call is used once.
-    The rollouts seen are then forgotten by the ledger.
+    Several agents (trajectories) of one rollout share its calls, each used once; the ledger then
+    forgets the rollouts seen.
     """
     restored = unmatched = 0
     used_by_rollout: dict[str, set[int]] = {}

@@ -1,8 +1,6 @@
 """A run's ``metrics.jsonl``: one JSON object per logged step, whichever trainer drives the run.
 
-``{"step": 3, "reward/mean": 0.4, ...}`` per line, appended as steps finish, so the file is
-readable (and plottable) while the run goes on or after it died. ``MetricsSink`` writes it as one
-of the trainer's loggers, either trainer's (``training_run`` adds it).
+Appended as steps finish, so it is readable (and plottable) while the run goes on or after it died.
 """
 
 from __future__ import annotations
@@ -61,11 +59,8 @@ class MetricsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def keep_through(self, step: int) -> None:
-        """Drop records after ``step`` (a fresh run passes -1 and keeps nothing).
-
-        Records of later steps belong to a run that died after its last checkpoint, or to an
-        earlier run in the same directory: a resumed run rewrites them, so the file has one history.
-        """
+        """Drop records after ``step`` (-1: all). Later steps are a run's that died after its last
+        checkpoint, or an earlier run's in this directory: rewritten, the file has one history."""
         if not self.path.exists():
             return
         kept = [record for record in _parse(self.path) if record["step"] <= step]
@@ -78,12 +73,8 @@ class MetricsFile:
 
 
 class MetricsSink:
-    """A trainer logger that writes every record it gets to ``<run_dir>/metrics.jsonl``.
-
-    ``resumed_step()`` (asked at the first record, once the backend has restored a checkpoint)
-    says where a resumed run picked up: later records of an earlier run in the same directory are
-    dropped, so the file has one history.
-    """
+    """A trainer logger writing every record to ``<run_dir>/metrics.jsonl``; ``resumed_step()`` is
+    asked at the first record, once the backend has restored a checkpoint."""
 
     def __init__(self, run_dir: str | Path, resumed_step: Callable[[], int | None]) -> None:
         self.file = MetricsFile(run_dir)
