@@ -26,12 +26,8 @@ def runtime_env_for(
     cpu_threads: int | None = None,
 ):
     """SkyRL's worker environment variables plus the platform's; ``cpu_threads``: torch threads of
-    each CPU worker (Ray gives an actor one per CPU it asks for).
-
-    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, which Ray writes
-    into its logs. A local Ray's workers inherit this process's environment anyway, so secrets are
-    left out there; a cluster's other nodes still get them.
-    """
+    each CPU worker (Ray gives an actor one per CPU it asks for). SkyRL forwards secrets (``HF_TOKEN``,
+    ``WANDB_API_KEY``) in it and Ray logs it: a local Ray, whose workers inherit them anyway, gets none."""
     from skyrl.train.utils.utils import prepare_runtime_environment
 
     env_vars = dict(prepare_runtime_environment(skyrl_cfg))
@@ -58,8 +54,8 @@ def start_ray(
     """Initialise Ray if this process has not; True if we started it (and so own its shutdown).
 
     A CPU run joins its own head (``compat.local_ray``: launched at the run's first line, or now).
-    The driver's patch sets come first: SkyRL registers its built-in functions when its modules are
-    imported, and with the ``registries`` set they must be registered locally before Ray is joined.
+    The driver's patch sets come first: with the ``registries`` set, SkyRL's built-in functions
+    (registered when its modules are imported) must be registered locally before Ray is joined.
     """
     if ray.is_initialized():
         return False

@@ -1,8 +1,7 @@
 """rLLM's records (steps, trajectories, episodes, groups, model outputs, rewards) for code without rLLM.
 
-Field names follow ``rllm.types`` / ``rllm.engine.rollout.ModelOutput`` exactly, so code written
-against rLLM's types reads these unchanged. Plain dataclasses rather than rLLM's pydantic models:
-nothing needs validation beyond the logprob/token length check that guards every training row.
+Field names follow ``rllm.types`` / ``rllm.engine.rollout.ModelOutput`` exactly. Plain dataclasses,
+not pydantic: nothing needs validation beyond the logprob/token length check that guards every row.
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ def model_output_class() -> type:
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> Any:
-    """A parsed tool call as rLLM's ``ToolCall`` (``rllm.tools.tool_base``) or ours."""
     if installed():
         from rllm.tools.tool_base import ToolCall
 
@@ -50,11 +49,9 @@ def termination_event(reason: str) -> Exception:
 
 
 def chat_parser(tokenizer: Any, disable_thinking: bool = False) -> Any:
-    """rLLM's chat-template parser for this tokenizer (what rLLM's verl engine builds), or None.
-
-    For an unknown template rLLM asserts that its generic parser renders turn by turn what the
-    template renders whole; that failure is raised with the model named.
-    """
+    """rLLM's chat-template parser for this tokenizer (what rLLM's verl engine builds), or None. For
+    an unknown template rLLM asserts its generic parser renders it turn by turn as the template does
+    whole; that failure is raised with the model named."""
     if not installed():
         return None
     from rllm.parser import ChatTemplateParser

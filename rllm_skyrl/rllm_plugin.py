@@ -68,7 +68,6 @@ class SkyRLTrainerLauncher:
         self.kwargs = {name: value for name, value in kwargs.items() if name not in _GATEWAY_ARGUMENTS}
 
     def train(self) -> None:
-        """Train through ``training_run.train``, the run every entry point gets."""
         unified = require("rllm", TRAINER_MODULE)
         from rllm_skyrl.training_run import train
 
@@ -88,10 +87,8 @@ class SkyRLTrainerLauncher:
 
 def register() -> None:
     """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher``; safe to call twice.
-
-    On an rLLM version the ``rllm_agent_trainer`` patch set was not verified on, it is skipped with
-    one warning; ``SkyRLTrainerLauncher`` still works directly.
-    """
+    On an rLLM version the ``rllm_agent_trainer`` set was not verified on, it is skipped with one
+    warning; ``SkyRLTrainerLauncher`` still works directly."""
     agent_trainer = require("rllm", TRAINER_MODULE).AgentTrainer
     if compat.usable(["rllm_agent_trainer"]):
         rllm_agent_trainer.install(agent_trainer, SkyRLTrainerLauncher)

@@ -87,11 +87,8 @@ def _rollout_id(group: Any, index: int) -> str | None:
 
 
 def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[int, int]:
-    """Fill the token fields of steps that have none; ``(restored, unmatched)`` step counts.
-
-    Several agents (trajectories) of one rollout share its calls, each used once; the ledger then
-    forgets the rollouts seen.
-    """
+    """Fill the token fields of steps that have none; ``(restored, unmatched)`` step counts. Agents
+    (trajectories) of one rollout share its calls, each used once; the ledger then forgets them."""
     restored = unmatched = 0
     used_by_rollout: dict[str, set[int]] = {}
     for group in groups:

@@ -96,7 +96,6 @@ class ServerGroup:
                 )
 
     def load_weights(self, path: str, weight_version: int, timeout: float = 600.0) -> None:
-        """Ask every server to load the full weights the trainer wrote to ``path``."""
         self.check_alive()
         for url in self.urls:
             target, headers = self.request_target(url)
@@ -160,7 +159,6 @@ def looks_like_credential(name: str, value: str) -> bool:
 
 
 def server_environment(environ: Mapping[str, str], token: str) -> dict[str, str]:
-    """The environment a server starts with: ours without credentials, plus its token."""
     env = {k: v for k, v in environ.items() if not looks_like_credential(k, v)}
     return {**env, "TOKENIZERS_PARALLELISM": "false", TOKEN_ENV: token}
 

@@ -92,7 +92,6 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 
 
 def finish_run(run_dir: str | Path) -> None:
-    """The end of a run: ``metrics.png`` from ``metrics.jsonl``, and the summary."""
     from rllm_skyrl.plot import plot_run  # matplotlib: only once there is something to draw
 
     run_dir = Path(run_dir)

@@ -47,27 +47,23 @@ def _parse(path: Path) -> list[dict[str, Any]]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of a run directory's ``metrics.jsonl``, in order."""
     return _parse(Path(run_dir) / METRICS_FILE)
 
 
 class MetricsFile:
-    """Appends step records to ``<run_dir>/metrics.jsonl``."""
-
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def keep_through(self, step: int) -> None:
-        """Drop records after ``step`` (-1: all). Later steps are a run's that died after its last
-        checkpoint, or an earlier run's in this directory: rewritten, the file has one history."""
+        """Drop records after ``step`` (-1: all): a run that died after its last checkpoint, or an
+        earlier run in this directory, wrote them, and the resumed run rewrites them (one history)."""
         if not self.path.exists():
             return
         kept = [record for record in _parse(self.path) if record["step"] <= step]
         self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
     def append(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Write one step's numeric metrics."""
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **scalar_metrics(metrics)}) + "\n")
 

@@ -54,7 +54,6 @@ MIN_SECRET_LENGTH = 6  # shorter values ("true", "1") are not masked wherever th
 
 
 def secret_values(config: Any = None, environ: Mapping[str, str] | None = None) -> set[str]:
-    """Values to mask: secret-looking environment variables and secret-looking config keys."""
     environ = os.environ if environ is None else environ
     found = {v for k, v in environ.items() if is_secret_key(k) and len(v) >= MIN_SECRET_LENGTH}
 

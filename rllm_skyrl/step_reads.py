@@ -83,7 +83,6 @@ class StepReads:
         return first, len(self.advantages)
 
     def keep_rules(self, first: int, stop: int) -> bool:
-        """Whether steps ``[first, stop)`` keep every rule of their ids and logprobs."""
         return self.ids.breach(2 * first, 2 * stop) is None and self.logprobs.breach(first, stop) is None
 
     @cached_property

@@ -53,7 +53,6 @@ def default_cache_dir() -> Path:
 
 
 def _corpus() -> list[str]:
-    """Text the BPE is trained on: chat framing, small arithmetic, plain words."""
     lines = []
     for a in range(10):
         lines.append(f"what is {a}?")

@@ -1,12 +1,10 @@
 """What a trajectory must satisfy to become a training row, checked field by field.
 
-Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step and
-the field, and saying what to fix; ``data_adapter`` raises it, or with ``drop_malformed`` drops and
-counts the trajectory. Fields are read by attribute, so rLLM's pydantic types and
-``rllm_skyrl.records`` both work. Nothing is coerced: a value reaches the tensors as itself (ids as
-int64, reals rounded to float32 as SkyRL's own builder does) or the trajectory is rejected.
-
-Accepted (only fields the conversion reads are checked):
+Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step, the
+field and the fix; ``data_adapter`` raises it, or with ``drop_malformed`` drops and counts the
+trajectory. Fields are read by attribute (rLLM's pydantic types and ``rllm_skyrl.records`` both
+work) and never coerced: a value reaches the tensors as itself (ids as int64, reals rounded to
+float32 as SkyRL's own builder does) or the trajectory is rejected. Accepted, of what is read:
 
 * integers: what ``operator.index`` accepts (``int``, numpy integer scalars, 0-d integer arrays),
   never ``bool`` / ``numpy.bool_``; no floats (not even ``3.0``), no strings.
@@ -22,8 +20,6 @@ Accepted (only fields the conversion reads are checked):
 * ``trajectory.steps``: a non-empty list or tuple; ``group.trajectories``: a list or tuple;
   ``group.group_id``: a non-empty ``str`` (SkyRL's uid); ``trajectory.name``: a configured role when
   roles are configured. ``group.metadata`` and ``trajectory.uid`` only name things in messages.
-
-The rules for numbers and lists are ``value_checks``; ``step_reads`` reads steps by them.
 """
 
 from __future__ import annotations

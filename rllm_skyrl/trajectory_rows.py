@@ -114,10 +114,8 @@ def trajectory_rows(
     runs: list[StepRun] | None,
 ) -> tuple[list[Row], int]:
     """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
-
-    ``advantage``: the trajectory's scalar, or ``NO_ADVANTAGE``; ``runs``: its steps if read and
-    checked with the batch's (``batch_step_runs``).
-    """
+    ``advantage``: the trajectory's scalar or ``NO_ADVANTAGE``; ``runs``: its steps, if the batch's
+    reads (``batch_step_runs``) checked them."""
     label = trajectory_label(group, t)
     group_id = check_group_id(group, label)
     check_role(trajectory, label, config)

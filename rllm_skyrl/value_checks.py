@@ -138,7 +138,6 @@ class _Lists:
         return self._values()[self.bounds[first] : self.bounds[stop]]
 
     def truncate(self, count: int) -> None:
-        """Forget every list after the first ``count``."""
         del self.lists[count:], self.bounds[count + 1 :]
 
     def first_bool(self, first: int, flagged: np.ndarray) -> tuple[int, Any] | None:

@@ -21,7 +21,6 @@ from typing import Any
 
 
 def prepare(method: str, workers: Any, client: Any) -> None:
-    """Connect SkyRL's weight transfer to the servers once, when it is the method in use."""
     if method == "skyrl":
         workers.connect_inference(client)
 

@@ -140,7 +140,6 @@ class SkyRLWorkers:
         self.dispatch.init_weight_sync_state(client)
 
     async def save_weights_for_sampler(self) -> None:
-        """SkyRL's in-memory transfer of the policy's weights into the connected servers."""
         await self.dispatch.save_weights_for_sampler()
 
     def broadcast_to_inference_engines(self, client) -> None:
