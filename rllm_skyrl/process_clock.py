@@ -1,9 +1,8 @@
 """When this process started, to the clock tick: start-up is measured from there.
 
-psutil's ``Process.create_time`` adds the process's start (clock ticks since boot, exact) to the
-boot time, which Linux gives in whole seconds (``btime`` in ``/proc/stat``): every process's start
-comes out up to a second early. Measured against the time since boot as it is now
-(``CLOCK_BOOTTIME``, the clock the start is counted on), the boot time is not needed.
+psutil's ``create_time`` adds the start (exact clock ticks since boot) to the boot time, which Linux
+gives in whole seconds (``btime``): up to a second early. Against ``CLOCK_BOOTTIME``, the clock the
+start is counted on, no boot time is needed.
 """
 
 from __future__ import annotations

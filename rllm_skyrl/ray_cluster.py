@@ -1,9 +1,4 @@
-"""The run's Ray: joined, or started for it, with the runtime env every worker needs.
-
-``start_ray`` joins the cluster ``RAY_ADDRESS`` names, else a CPU run's own head (``compat.local_ray``,
-where that set applies), else Ray's own ``ray.init``; the driver's patch sets come first. The shared
-placement group of a colocated (CUDA) run is built the way SkyRL's trainer builds it.
-"""
+"""The run's Ray: joined, or started for it, with the runtime env every worker needs."""
 
 from __future__ import annotations
 
@@ -30,14 +25,9 @@ def runtime_env_for(
     local: bool = True,
     cpu_threads: int | None = None,
 ):
-    """SkyRL's own worker environment variables, plus whatever the platform needs in every worker.
-
-    ``cpu_threads``: torch threads of each worker on CPU (Ray gives an actor one per CPU it asks for).
-
-    SkyRL forwards secrets (``WANDB_API_KEY``, ``HF_TOKEN``) through the runtime env, and Ray
-    writes runtime envs into its own logs. A local Ray's workers inherit this process's
-    environment anyway, so secrets are left out there; a cluster's other nodes still get them.
-    """
+    """SkyRL's worker environment variables plus the platform's; ``cpu_threads``: torch threads of
+    each CPU worker (Ray gives an actor one per CPU it asks for). SkyRL forwards secrets (``HF_TOKEN``,
+    ``WANDB_API_KEY``) in it and Ray logs it: a local Ray, whose workers inherit them anyway, gets none."""
     from skyrl.train.utils.utils import prepare_runtime_environment
 
     env_vars = dict(prepare_runtime_environment(skyrl_cfg))
@@ -61,13 +51,11 @@ def start_ray(
     platform: Platform | None = None,
     cpu_threads: int | None = None,
 ) -> bool:
-    """Initialise Ray if this process has not; return True if we started it (and so own its shutdown).
+    """Initialise Ray if this process has not; True if we started it (and so own its shutdown).
 
-    With ``RAY_ADDRESS`` set we join that cluster. Otherwise a CPU run uses its own Ray head
-    (``compat.local_ray``: launched at the run's first line, or now), and everything else Ray's
-    own ``ray.init``. The driver's patch sets are applied first (``compat.prepare_driver``):
-    SkyRL registers its built-in functions when its modules are imported, and with the
-    ``registries`` set they must be registered locally, before Ray is joined.
+    A CPU run joins its own head (``compat.local_ray``: launched at the run's first line, or now).
+    The driver's patch sets come first: with the ``registries`` set, SkyRL's built-in functions
+    (registered when its modules are imported) must be registered locally before Ray is joined.
     """
     if ray.is_initialized():
         return False

@@ -1,9 +1,7 @@
 """rLLM's records (steps, trajectories, episodes, groups, model outputs, rewards) for code without rLLM.
 
-Field names follow ``rllm.types`` / ``rllm.engine.rollout.ModelOutput`` exactly, so a backend
-written against rLLM's types reads ours unchanged (and the other way round). They are plain
-dataclasses rather than rLLM's pydantic models: nothing here needs validation beyond the
-logprob/token length check that guards every training row.
+Field names follow ``rllm.types`` / ``rllm.engine.rollout.ModelOutput`` exactly. Plain dataclasses,
+not pydantic: nothing needs validation beyond the logprob/token length check that guards every row.
 """
 
 from __future__ import annotations
@@ -35,10 +33,7 @@ def termination_value(reason: Any) -> str:
 
 
 class TerminationEvent(Exception):
-    """Raised inside a rollout to end it early; ``reason`` is a ``TerminationReason`` value.
-
-    rLLM raises its own class of the same name; the workflow engine reads ``.reason`` from either.
-    """
+    """Raised to end a rollout early; the workflow engine reads ``.reason`` from it or rLLM's own."""
 
     def __init__(self, reason: str):
         super().__init__(f"Terminated: {reason}")
@@ -174,10 +169,8 @@ class Episode:
 
 @dataclass
 class TrajectoryGroup:
-    """Trajectories whose rewards are compared with each other (same task, same role).
-
-    ``group_id`` is ``"{task_id}:{role}"``; ``metadata`` has one dict per trajectory.
-    """
+    """Trajectories whose rewards are compared (same task, same role); ``group_id`` is
+    ``"{task_id}:{role}"``, ``metadata`` one dict per trajectory."""
 
     trajectories: list[Trajectory]
     group_id: str = ""

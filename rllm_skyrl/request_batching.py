@@ -1,18 +1,12 @@
 """Identical prompts sampled at the same time become one request for n samples.
 
-rLLM rolls every task out n times at once. Sent one by one through SkyRL's client, that is n
-``/inference/v1/generate`` requests carrying the same prompt, each followed by a ``/detokenize``
-request whose text the engine never reads. SkyRL's client also speaks Tinker's ``sample``: one
-request, ``num_samples`` completions, no detokenize; vLLM and this package's server both serve it.
-``SampleBatcher`` holds each request for a moment, and sends the ones with the same prompt,
-sampling parameters and server as one ``sample`` call; every caller gets one completion.
-
-Only what ``sample`` can carry is batched (Tinker's parameters: temperature, top_p, top_k,
-max_tokens, seed, stop strings and token ids): anything else returns ``None`` and the engine
-sends it alone. Seeded requests share a call when their seeds count up one by one: a call with
-seed ``s`` for n completions samples completion ``i`` with seed ``s + i`` (vLLM's rule for
-``n > 1``, which this package's server and Tinker follow), exactly what each would have got
-alone; a seed out of that sequence starts a call of its own.
+rLLM rolls every task out n times at once: through SkyRL's client, n ``/inference/v1/generate``
+requests with the same prompt, each followed by a ``/detokenize`` whose text the engine never reads.
+Tinker's ``sample``, which SkyRL's client speaks and vLLM and this package's server serve, is one
+request for ``num_samples`` completions and no detokenize. Only what it can carry is batched;
+anything else gets ``None`` and the engine sends it alone. Seeded requests share a call when their
+seeds count up one by one: completion ``i`` of a call seeded ``s`` samples with ``s + i`` (vLLM's
+rule for ``n > 1``, followed by this package's server and Tinker), exactly what each would get alone.
 """
 
 from __future__ import annotations
@@ -116,19 +110,21 @@ class SampleBatcher:
         try:
             response = await client.sample({"json": body})
         except BaseException as error:  # every caller of the batch sees the failure
-            for waiter in pending.waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            _fail(pending, error)
             if not isinstance(error, Exception):
                 raise
             return
         sequences = response["sequences"]
         if len(sequences) != len(pending.waiters):
             error = RuntimeError(f"asked the server for {len(pending.waiters)} samples, got {len(sequences)}")
-            for waiter in pending.waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            _fail(pending, error)
             return
         for waiter, sequence in zip(pending.waiters, sequences, strict=True):
             if not waiter.done():
                 waiter.set_result((sequence["tokens"], sequence["logprobs"], sequence["stop_reason"]))
+
+
+def _fail(pending: _Pending, error: BaseException) -> None:
+    for waiter in pending.waiters:
+        if not waiter.done():
+            waiter.set_exception(error)

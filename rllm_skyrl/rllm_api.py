@@ -1,11 +1,9 @@
 """rLLM's own pieces when rLLM is installed, this package's equivalents when it is not.
 
 rLLM is optional (it is not on PyPI). Where an rLLM user must get exactly what rLLM's other backends
-give them (its ``ModelOutput`` and ``TerminationEvent`` classes, its chat-template parser, its
-advantage estimators and registry, its task ids), this module imports rLLM's; without rLLM the
-``rllm_skyrl.records`` stand-ins and the standalone trainer's own implementations stand in. Besides
-it, only ``rllm_names`` (what training code names) and ``rllm_plugin`` (rLLM's ``AgentTrainer``)
-import ``rllm``.
+give (``ModelOutput`` and ``TerminationEvent``, the chat-template parser, advantage estimators, task
+ids), rLLM's are used, else ``rllm_skyrl.records`` and the standalone trainer's. Besides this module,
+only ``rllm_names`` and ``rllm_plugin`` import ``rllm``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ def model_output_class() -> type:
 
 
 def tool_call(name: str, arguments: dict[str, Any]) -> Any:
-    """A parsed tool call as rLLM's ``ToolCall`` (``rllm.tools.tool_base``) or ours."""
     if installed():
         from rllm.tools.tool_base import ToolCall
 
@@ -52,12 +49,9 @@ def termination_event(reason: str) -> Exception:
 
 
 def chat_parser(tokenizer: Any, disable_thinking: bool = False) -> Any:
-    """rLLM's chat-template parser for this tokenizer (what rLLM's verl engine builds), or None.
-
-    rLLM picks the parser from the tokenizer's name and class (Qwen/ChatML, Llama, ...) and, for an
-    unknown template, asserts that the generic parser renders turn by turn what the template renders
-    whole; that assertion is left to surface, with the model named, when a workflow asks for it.
-    """
+    """rLLM's chat-template parser for this tokenizer (what rLLM's verl engine builds), or None. For
+    an unknown template rLLM asserts its generic parser renders it turn by turn as the template does
+    whole; that failure is raised with the model named."""
     if not installed():
         return None
     from rllm.parser import ChatTemplateParser
@@ -73,11 +67,8 @@ def chat_parser(tokenizer: Any, disable_thinking: bool = False) -> Any:
 
 
 def task_ids(batch: Sequence[Any], group_size: int) -> tuple[list[Any], list[str]]:
-    """Each task ``group_size`` times in a row, with one id per task, exactly as rLLM's backends do.
-
-    ``Task`` objects keep their ``id``; dict rows their ``"id"``; a task without one gets a fresh
-    uuid (rLLM's ``interleave_tasks``).
-    """
+    """Each task ``group_size`` times in a row with one id per task, as rLLM's ``interleave_tasks``:
+    a ``Task``'s ``id``, a dict row's ``"id"``, else a fresh uuid."""
     tasks: list[Any] = []
     ids: list[str] = []
     for item in batch:
@@ -101,17 +92,8 @@ def is_rllm_algorithm_config(algorithm_config: Any) -> bool:
 
 
 def rllm_advantages(groups: Sequence[Any], algorithm_config: Any) -> dict[str, float]:
-    """rLLM's advantages (its registry, per-role estimator map, formulas), written onto every step.
-
-    ``collect_reward_and_advantage_from_trajectory_groups`` is what rLLM's tinker backend and the
-    trainer's default ``compute_advantages`` call; it sets ``step.advantage`` in place and returns
-    rLLM's ``reward/<role>/*``, ``advantage/<role>/*`` and ``batch/<role>/*`` metrics.
-    """
+    """rLLM's advantages set on every step in place, as rLLM's tinker backend and default
+    ``compute_advantages`` compute them; returns rLLM's ``reward/``, ``advantage/``, ``batch/<role>/*``."""
     from rllm.trainer.algorithms import collect_reward_and_advantage_from_trajectory_groups
 
     return collect_reward_and_advantage_from_trajectory_groups(list(groups), algorithm_config)
-
-
-def loss_fn_map(algorithm_config: Any) -> dict[str, str]:
-    """Per-role policy losses rLLM's ``AlgorithmConfig`` carries (``estimator_map`` tuples)."""
-    return dict(getattr(algorithm_config, "loss_fn_map", None) or {})

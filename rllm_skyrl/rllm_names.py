@@ -1,15 +1,12 @@
 """rLLM's names for training code: rLLM's own classes when rLLM is installed, the fallback's when not.
 
 A training script takes its trainer, workflows, records and reward type from here and runs
-unchanged either way. With rLLM installed, ``rllm_names.SimpleWorkflow`` *is*
-``rllm.workflows.simple_workflow.SimpleWorkflow``, and so on down ``NAMES``; without it, the
-standalone trainer's stand-in, which takes the same arguments and has the same fields.
+unchanged either way (the stand-ins take the same arguments and have the same fields).
 
-Names resolve on first use: rLLM's trainer package takes one to two seconds to import, which a
-script should spend after its run has launched Ray (``training_run.train``), not while it is
-being imported. For that, ``training_run.train`` also takes a workflow class as a dotted path,
-rLLM's (``"rllm.workflows.simple_workflow.SimpleWorkflow"``) included: ``resolve`` maps it to the
-stand-in where rLLM is not installed.
+Names resolve on first use: rLLM's trainer package takes one to two seconds to import, better spent
+after the run has launched Ray (``training_run.train``) than while the script is imported. For the
+same reason ``training_run.train`` takes a workflow class as a dotted path, rLLM's included, which
+``resolve`` maps to the stand-in where rLLM is not installed.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Training under rLLM's own trainer, when rLLM is installed.
 
-Three ways in, from the most explicit to the most convenient:
+Three ways in: ``UnifiedTrainer(backend_cls=SkyRLBackend, ...)`` directly (nothing from here);
+``SkyRLTrainerLauncher(cfg, workflow_class=...).train()``, what rLLM's per-backend launchers do,
+through the run every entry point gets (``training_run.train``); or ``register()``, then rLLM's
+``AgentTrainer(..., backend="skyrl")`` (the ``rllm_agent_trainer`` patch set: rLLM has no table of
+backends to add one to). The config side needs no call: the Hydra plug-in in
+``hydra_plugins/rllm_skyrl_searchpath`` makes ``rllm/backend=skyrl`` resolve in rLLM's ``unified``.
 
-1. ``rllm.trainer.unified_trainer.UnifiedTrainer(backend_cls=SkyRLBackend, config=cfg, ...)``:
-   ``SkyRLBackend`` implements rLLM's backend hooks; nothing from this module is needed.
-2. ``SkyRLTrainerLauncher(cfg, workflow_class=..., ...).train()``: what rLLM's per-backend launchers
-   do (build the trainer, fit, always shut down), through the run every entry point gets
-   (``training_run.train``).
-3. ``register()``, then rLLM's ``AgentTrainer(config=cfg, workflow_class=..., backend="skyrl").train()``:
-   ``backend="skyrl"`` builds a ``SkyRLTrainerLauncher`` (the ``rllm_agent_trainer`` patch set:
-   rLLM has no table of backends to add one to), every other value rLLM's own launcher.
-
-The config side needs no call: with this package installed, the Hydra plug-in in
-``hydra_plugins/rllm_skyrl_searchpath`` makes ``rllm/backend=skyrl`` resolve inside rLLM's
-``unified`` config.
-
-Importing this module never imports rLLM (so it is safe in environments without it); ``register()``
-and ``SkyRLTrainerLauncher.train()`` do, and raise ``MissingDependencyError`` with the install
-command when it is absent.
+Importing this module never imports rLLM; ``register()`` and ``SkyRLTrainerLauncher.train()`` do,
+and raise ``MissingDependencyError`` with the install command when it is absent.
 """
 
 from __future__ import annotations
@@ -39,13 +30,9 @@ _GATEWAY_ARGUMENTS = ("agent_flow", "evaluator", "hooks", "sandbox_backend", "sa
 class SkyRLTrainerLauncher:
     """One training run under rLLM's ``UnifiedTrainer`` with ``SkyRLBackend``.
 
-    Takes the constructor arguments rLLM's ``AgentTrainer`` gives its launchers, so the dispatch
-    in ``register()`` builds it the same way rLLM builds its own. It does not subclass rLLM's
-    ``TrainerLauncher`` because that would import rLLM when this module is imported.
-
-    ``backend_cls`` lets a subclass of ``SkyRLBackend`` (custom hooks) go through the same path;
-    ``backend_args`` are added to the backend's constructor arguments; remaining keyword arguments
-    reach ``UnifiedTrainer`` unchanged.
+    Takes the arguments rLLM's ``AgentTrainer`` gives its launchers, but does not subclass rLLM's
+    ``TrainerLauncher``: that would import rLLM with this module. ``backend_cls``: a ``SkyRLBackend``
+    subclass (custom hooks); ``backend_args`` go to the backend, other keywords to ``UnifiedTrainer``.
     """
 
     def __init__(
@@ -81,9 +68,6 @@ class SkyRLTrainerLauncher:
         self.kwargs = {name: value for name, value in kwargs.items() if name not in _GATEWAY_ARGUMENTS}
 
     def train(self) -> None:
-        """Train under rLLM's ``UnifiedTrainer`` through ``training_run.train``: the run every entry
-        gets (secrets masked, ``metrics.jsonl``, progress bar, ``metrics.png``, summary, clean stop),
-        with Ray, workers and servers shut down however it ends."""
         unified = require("rllm", TRAINER_MODULE)
         from rllm_skyrl.training_run import train
 
@@ -103,10 +87,8 @@ class SkyRLTrainerLauncher:
 
 def register() -> None:
     """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher``; safe to call twice.
-
-    The constructor wrap is the ``rllm_agent_trainer`` patch set: on an rLLM version it was not
-    verified on it is skipped with one warning, and ``SkyRLTrainerLauncher`` still works directly.
-    """
+    On an rLLM version the ``rllm_agent_trainer`` set was not verified on, it is skipped with one
+    warning; ``SkyRLTrainerLauncher`` still works directly."""
     agent_trainer = require("rllm", TRAINER_MODULE).AgentTrainer
     if compat.usable(["rllm_agent_trainer"]):
         rllm_agent_trainer.install(agent_trainer, SkyRLTrainerLauncher)

@@ -1,12 +1,10 @@
 """What the policy actually sampled, per rollout, so steps that lost their tokens can be trained on.
 
 rLLM's agent/environment workflows (``MultiTurnWorkflow``, ``CumulativeWorkflow``,
-``SingleTurnWorkflow``) hand the agent only ``output.text``: the agent's steps end up without the
-prompt ids, sampled ids and logprobs that training needs, and rLLM's other backends skip them. The
-engine knows those tokens: it records every call's output under the rollout's ``application_id``
-(rLLM passes the episode id ``"task:rollout"``), and ``restore_step_tokens`` puts them back on the
-steps, matching each step to the call whose text it holds (in call order when a step holds none).
-Token-in/token-out is kept: nothing is re-tokenised.
+``SingleTurnWorkflow``) hand the agent only ``output.text``, so its steps lack the ids and logprobs
+training needs (rLLM's other backends skip them). The engine records every call under the rollout's
+``application_id`` (rLLM passes the episode id ``"task:rollout"``), and ``restore_step_tokens`` puts
+the tokens back, matching steps to calls by text: nothing is re-tokenised.
 """
 
 from __future__ import annotations
@@ -64,9 +62,6 @@ class RolloutLedger:
         for rollout_id in rollout_ids:
             self._calls.pop(rollout_id, None)
 
-    def __len__(self) -> int:
-        return len(self._calls)
-
 
 def _step_text(step: Any) -> str | None:
     """What the model said at this step, as the agent recorded it."""
@@ -92,12 +87,8 @@ def _rollout_id(group: Any, index: int) -> str | None:
 
 
 def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[int, int]:
-    """Fill ``prompt_ids``/``response_ids``/``logprobs`` of steps that have none; returns
-    ``(restored, unmatched)`` step counts. Steps that already carry tokens are left alone.
-
-    Several agents of one rollout (several trajectories) share its calls; each call is used once.
-    The rollouts seen are then forgotten by the ledger.
-    """
+    """Fill the token fields of steps that have none; ``(restored, unmatched)`` step counts. Agents
+    (trajectories) of one rollout share its calls, each used once; the ledger then forgets them."""
     restored = unmatched = 0
     used_by_rollout: dict[str, set[int]] = {}
     for group in groups:

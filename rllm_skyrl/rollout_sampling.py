@@ -1,9 +1,7 @@
 """The sampling params and the seed of one rollout request.
 
-A request samples with the run's train or validation params, overridden by the sampling keywords
-its workflow passed, within the response budget. With a base seed (``request_seed``), each request
-gets its own seed, derived from what is asked and when in training it is asked (``RequestSeeds``),
-so a run resumed from a checkpoint samples exactly what the uninterrupted run sampled.
+With a base seed (``request_seed``), each request's seed derives from what is asked and when in
+training (``RequestSeeds``), so a run resumed from a checkpoint samples what the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ DEFAULT_SAMPLING_PARAMS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "to
 def request_params(
     defaults: dict[str, Any], kwargs: dict[str, Any], max_response_length: int, warned: set[str]
 ) -> dict[str, Any]:
-    """``defaults`` (the run's train or validation params) with the call's sampling keywords on top,
-    ``max_tokens`` capped at ``max_response_length``. Other keywords are logged once each (``warned``)."""
+    """The run's train or validation params with the call's sampling keywords on top, ``max_tokens``
+    capped; other keywords are logged once each (``warned``)."""
     params = dict(defaults)
     max_tokens, max_new_tokens = kwargs.pop("max_tokens", None), kwargs.pop("max_new_tokens", None)
     requested = max_tokens or max_new_tokens or params.get("max_tokens")
@@ -79,14 +77,12 @@ REPEAT_STRIDE = 2**20
 class RequestSeeds:
     """A request's seed at the current weight version, the same in every run of the same config.
 
-    With rLLM's rollout id (``application_id="{task_id}:{rollout_idx}"``, which rLLM's workflows
-    pass), the ``k``-th rollout of a task gets ``base(task, prompt) + k``: whichever order the
-    workflow engine's concurrent tasks reach the server in, and even when two tasks share a prompt,
-    each rollout samples what it did in another run. Without one, the ``k``-th request for a prompt
-    gets ``base(prompt) + k`` in arrival order. Consecutive seeds are what one ``sample`` call for
-    n completions carries (completion i gets seed + i, on vLLM as on this package's server), so
-    seeding does not cost the batching of a task's rollouts. The same prompt asked again within
-    one rollout (a repeated turn) counts up from ``base + REPEAT_STRIDE``.
+    With rLLM's rollout id (``application_id="{task_id}:{rollout_idx}"``), the ``k``-th rollout of a
+    task gets ``base(task, prompt) + k``: whatever order concurrent tasks reach the server in, and
+    even when two tasks share a prompt, each rollout samples what it did in another run. Without
+    one, the ``k``-th request for a prompt gets ``base(prompt) + k`` in arrival order. Consecutive
+    seeds are what one ``sample`` call for n completions carries, so seeding costs no batching. A
+    prompt asked again within one rollout counts up from ``base + REPEAT_STRIDE``.
     """
 
     def __init__(self) -> None:

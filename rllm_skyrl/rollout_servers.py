@@ -1,18 +1,15 @@
 """Inference servers for rollouts: our CPU servers as subprocesses, or servers someone else runs.
 
-Each CPU server is its own process (``python -m rllm_skyrl.inference``), so generation never
-competes with the driver's event loop for the GIL, and a crash in one is a clear error here
-rather than a hang. Every server speaks SkyRL's protocol, so the rest of the backend only
-ever sees URLs.
+Each CPU server is its own process (``python -m rllm_skyrl.inference``): generation never competes
+with the driver's event loop for the GIL, and a crash is a clear error rather than a hang. Every
+server speaks SkyRL's protocol, so the rest of the backend only sees URLs.
 
 Servers we start are locked to the run that started them:
 
-- a random per-run token, handed over in the child's environment (``RLLM_SKYRL_SERVER_TOKEN``,
-  readable only by our own user; never on the command line, which ``ps`` shows to everyone).
-  ``ServerGroup.urls`` carry it as URL credentials (``http://rllm:<token>@127.0.0.1:port``):
-  SkyRL's ``RemoteInferenceClient`` has no auth option, but its aiohttp turns them into an
-  ``Authorization: Basic`` header, so clients built from the URLs just work; our own calls send
-  ``Bearer``. The token is masked in this process's logs.
+- a random per-run token in the child's environment (``RLLM_SKYRL_SERVER_TOKEN``, readable only by
+  our user; never on the command line, which ``ps`` shows to everyone), masked in our logs.
+  ``ServerGroup.urls`` carry it as URL credentials: SkyRL's ``RemoteInferenceClient`` has no auth
+  option, but its aiohttp sends them as ``Authorization: Basic``; our own calls send ``Bearer``.
 - weights are loaded only from under ``weights_root``;
 - the child gets our environment minus anything that looks like a credential;
 - the child exits when we do (``--parent-pid``), even if ``stop()`` is never called.
@@ -49,12 +46,8 @@ URL_USER = "rllm"
 
 @dataclass
 class ServerGroup:
-    """The URLs rollouts go to, and the processes we own behind them (empty for external servers).
-
-    ``urls`` are what clients use (with credentials when we hold a ``token``); ``weights_root``
-    is the directory the servers load weights from, and is removed on ``stop()`` when
-    ``start_cpu_servers`` created it.
-    """
+    """The URLs rollouts go to (with credentials when we hold a ``token``), and the processes we own
+    behind them; ``weights_root``, where the servers load weights from, goes on ``stop()`` if ours."""
 
     urls: list[str]
     processes: list[subprocess.Popen] = field(default_factory=list)
@@ -72,8 +65,8 @@ class ServerGroup:
         return bool(self.processes)
 
     def request_target(self, url: str) -> tuple[str, dict[str, str]]:
-        """Where our own HTTP calls go and with which headers: our token as Bearer; a URL given
-        to us with credentials keeps them (httpx sends them as Basic)."""
+        """Where our own HTTP calls go, with which headers: our token as Bearer; a URL given to us
+        with credentials keeps them (httpx sends them as Basic)."""
         if self.token is None:
             return url, {}
         return without_credentials(url), {"Authorization": f"Bearer {self.token}"}
@@ -90,8 +83,8 @@ class ServerGroup:
             raise
 
     def check_alive(self) -> None:
-        """Raise naming the server, its exit code and its log when a server we started has died:
-        rollouts would otherwise fail one by one and the run would train on nothing."""
+        """Raise when a server we started has died: rollouts would otherwise fail one by one and the
+        run would train on nothing."""
         for index, process in enumerate(self.processes):
             code = process.poll()
             if code is not None:
@@ -103,7 +96,6 @@ class ServerGroup:
                 )
 
     def load_weights(self, path: str, weight_version: int, timeout: float = 600.0) -> None:
-        """Ask every server to load the full weights the trainer wrote to ``path``."""
         self.check_alive()
         for url in self.urls:
             target, headers = self.request_target(url)
@@ -167,7 +159,6 @@ def looks_like_credential(name: str, value: str) -> bool:
 
 
 def server_environment(environ: Mapping[str, str], token: str) -> dict[str, str]:
-    """The environment a server starts with: ours without credentials, plus its token."""
     env = {k: v for k, v in environ.items() if not looks_like_credential(k, v)}
     return {**env, "TOKENIZERS_PARALLELISM": "false", TOKEN_ENV: token}
 
@@ -236,10 +227,9 @@ def launch_cpu_servers(
 ) -> ServerGroup:
     """Start the server processes and return at once; ``wait_ready`` waits until they serve.
 
-    A server takes seconds to import torch and load its model: a run starts them first and brings
-    up Ray and its training workers meanwhile. ``weights_root``: the directory the trainer writes
-    weights to for the servers (a run's ``<checkpoint root>/sync``); the servers load nothing from
-    elsewhere. None creates a fresh private temporary directory, removed again by ``stop()``.
+    A server takes seconds to import torch and load its model, which a run overlaps with bringing up
+    Ray and its workers. ``weights_root`` (a run's ``<checkpoint root>/sync``) is the only place the
+    servers load weights from; None makes a private temporary directory, removed by ``stop()``.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -300,9 +290,8 @@ def external_servers(urls: list[str]) -> ServerGroup:
 
 @dataclass
 class SkyRLServers(ServerGroup):
-    """SkyRL's own vLLM servers and router (GPU), with the client SkyRL built for them, and with
-    ``colocate_all`` the placement group they share with the trainer's actors (removed by the
-    runtime once those are stopped too)."""
+    """SkyRL's vLLM servers and router (GPU) with SkyRL's client for them, and with ``colocate_all``
+    the placement group shared with the trainer's actors (the runtime removes it after those)."""
 
     client: object = None
     setup: object = None
@@ -316,9 +305,8 @@ class SkyRLServers(ServerGroup):
 
 
 def start_skyrl_servers(skyrl_cfg, tokenizer) -> SkyRLServers:
-    """vLLM servers exactly as SkyRL's trainer starts them (``generator.inference_engine.*``): with
-    ``colocate_all``, first the placement group they share with the trainer (SkyRL's order: the
-    servers size their memory on GPUs the trainer does not use yet)."""
+    """vLLM servers as SkyRL's trainer starts them: with ``colocate_all``, after the placement group
+    shared with the trainer (SkyRL's order: they size their memory while the trainer is not on the GPUs)."""
     from rllm_skyrl.optional_deps import require
 
     require("vllm")

@@ -1,12 +1,9 @@
 """What a run shows on the console: a progress bar with the live reward, and a summary at the end.
 
-The trainers print on their own too. rLLM's prints, whatever ``rllm.trainer.logger`` says, its
-config as a table at the start and, every step, a table of every metric (about 90 rows), two
-sample trajectories and a rollout progress bar; the fallback prints a line per step with
-``console``. Unless ``console`` is among ``rllm.trainer.logger``, what the trainer prints goes to
-``<run dir>/trainer_output.log`` (secrets masked, as on the console; rLLM's metrics tables as
-plain lines, ``compat.rllm_metrics_table``), and the console keeps the bar, the log's warnings and
-errors, and the summary.
+rLLM's trainer prints, whatever ``rllm.trainer.logger`` says, its config and every step a table of
+about 90 metrics, two sample trajectories and a rollout bar. Unless ``console`` is among those
+loggers, what the trainer prints goes to ``<run dir>/trainer_output.log`` (secrets masked, rLLM's
+tables as plain lines), and the console keeps the bar, the log's warnings and errors, and the summary.
 """
 
 from __future__ import annotations
@@ -30,11 +27,8 @@ TRAINER_OUTPUT = "trainer_output.log"
 
 @contextmanager
 def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterator[None]:
-    """Inside, what the trainer prints goes to ``<run_dir>/trainer_output.log`` unless ``on_console``.
-
-    Log records keep going to their handlers (the console's among them): only ``print``-style
-    output and progress bars drawn on ``sys.stdout``/``sys.stderr`` are moved.
-    """
+    """Inside, unless ``on_console``, ``sys.stdout``/``sys.stderr`` go to ``<run_dir>/trainer_output.log``;
+    log records keep going to their handlers (the console's among them)."""
     if on_console:
         yield
         return
@@ -47,12 +41,8 @@ def trainer_output(run_dir: str | Path, masker: Any, on_console: bool) -> Iterat
 
 
 class ProgressBar:
-    """A bar on ``stream`` that follows the trainer's training records (validation's are skipped);
-    one of the trainer's loggers.
-
-    Its length is read off the first record: the backend publishes tinker's ``progress/batch``
-    (the step) and ``progress/done_frac`` (step / total steps).
-    """
+    """A trainer logger drawing a bar on ``stream`` from training records (not validation's); its
+    length comes from the first record's ``progress/done_frac`` (tinker's step / total steps)."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
@@ -102,7 +92,6 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 
 
 def finish_run(run_dir: str | Path) -> None:
-    """The end of a run: ``metrics.png`` from ``metrics.jsonl``, and the summary."""
     from rllm_skyrl.plot import plot_run  # matplotlib: only once there is something to draw
 
     run_dir = Path(run_dir)

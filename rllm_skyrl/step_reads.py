@@ -2,11 +2,10 @@
 time, a step alone to name its first problem.
 
 A few numpy calls per list, or even per trajectory, were most of the conversion at a small model's
-shape (hundreds of rows of a few dozen tokens). So consecutive trajectories' steps are read end to
-end into two buffers (``value_checks.IdLists``, ``RealLists``) and the rules are checked once for
-all of them. Only when a chunk breaks a rule are its trajectories checked each on its own, by the
-same rules; one that breaks a rule or cannot be read is read again step by step (``step_run``),
-each list checked as soon as it is read, so that the first problem met is the one named.
+shape (hundreds of rows of a few dozen tokens), so consecutive trajectories' steps are read end to
+end into two buffers and the rules checked once for all. Only a chunk that breaks a rule has its
+trajectories checked one by one; one that breaks a rule or cannot be read is read again step by
+step (``step_run``), each list checked as soon as it is read, so the first problem met is named.
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ class StepReads:
         self.precomputed = config.use_precomputed_advantages
 
     def read(self, label: str, index: int, step: Any) -> None:
-        """Append one step. Raises ``MalformedTrajectoryError`` for what reading finds (a missing
-        field, a list that is not one, an element that is not a number, no response, one logprob
-        too many or few, a bad advantage) and, ``alone``, for any rule a list breaks."""
+        """Append one step; raises ``MalformedTrajectoryError`` for what reading finds and, ``alone``,
+        for any rule a list breaks."""
         for name in ("prompt_ids", "response_ids"):
             self.ids.read(label, index, name, required(label, index, step, name))
             if self.alone:
@@ -85,7 +83,6 @@ class StepReads:
         return first, len(self.advantages)
 
     def keep_rules(self, first: int, stop: int) -> bool:
-        """Whether steps ``[first, stop)`` keep every rule of their ids and logprobs."""
         return self.ids.breach(2 * first, 2 * stop) is None and self.logprobs.breach(first, stop) is None
 
     @cached_property

@@ -1,12 +1,11 @@
 """SIGTERM stops a run the way Ctrl-C does, whatever the run is doing when it arrives.
 
-Inside ``asyncio.run`` (rLLM's trainers and ours), Ctrl-C does not raise where it lands: the
-runner's own SIGINT handler cancels the main task, and the run unwinds through its ``finally``
-blocks. An exception raised by a signal handler instead lands in whatever the event loop is
-running at that instant, often an HTTP client's task half-way through a socket write; that task
-then dies of it, and asyncio prints its traceback ("Task exception was never retrieved") on top
-of the one-line stop. Ray's driver handler (``sys.exit(15)``, installed by ``ray.init`` when it is
-called from the main thread) does exactly that, so the runtime settles SIGTERM after ``ray.init``.
+Inside ``asyncio.run`` (rLLM's trainers and ours) Ctrl-C does not raise where it lands: the runner's
+SIGINT handler cancels the main task and the run unwinds through its ``finally`` blocks. An
+exception raised by a signal handler lands in whatever the loop is running, often an HTTP client's
+task half-way through a socket write, which dies of it ("Task exception was never retrieved" on top
+of the one-line stop). Ray's driver handler (``sys.exit(15)``, installed by ``ray.init`` from the
+main thread) does exactly that, so the runtime settles SIGTERM after ``ray.init``.
 """
 
 from __future__ import annotations
@@ -52,9 +51,8 @@ def install() -> bool:
 
 
 def after_ray_init() -> None:
-    """Settle SIGTERM in the main thread once Ray is up, wherever ``ray.init`` ran: this module's
-    handler if ``install`` took the signal, otherwise the exit Ray's driver handler makes (which
-    ``ray.init`` installs only when called from the main thread)."""
+    """Once Ray is up: this module's handler if ``install`` took SIGTERM, else the exit Ray's driver
+    handler makes (which ``ray.init`` installs only when called from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return
     if _installed:

@@ -1,8 +1,7 @@
 """Tiny causal LMs and tokenizers built in-process, for tests and the CPU quickstart.
 
-Nothing here touches a model hub: the tokenizer is a byte-level BPE trained on a
-small generated corpus and the model is randomly initialised. Directories are
-cached by a hash of their config, so a test suite builds each variant once.
+Nothing touches a model hub: a byte-level BPE trained on a small generated corpus and a randomly
+initialised model, cached by a hash of their config so a test suite builds each variant once.
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 class TinyModelConfig:
     """Shape of a qwen3-type model small enough to train by RL on two CPU cores.
 
-    The defaults (about 140K parameters) learn the digit-echo task in ~150 GRPO steps.
-    qwen3 is used because its tokenizer class round-trips a trained byte-level BPE
-    unchanged (see test_tiny_model.py). Input and output embeddings are separate by
-    default: at this size a tied model learns the SFT example's addition task several
-    times slower (held-out loss 1.6 instead of 0.57 after its 200 steps); the tied
-    variant (``tie_word_embeddings=True``) is what the tied-embedding tests train.
+    The defaults (about 140K parameters) learn the digit-echo task in ~150 GRPO steps. qwen3,
+    because its tokenizer class round-trips a trained byte-level BPE unchanged (test_tiny_model.py).
+    Embeddings are untied by default: at this size a tied model learns the SFT example's addition
+    several times slower (held-out loss 1.6 instead of 0.57 after its 200 steps); the tied-embedding
+    tests train the tied variant.
     """
 
     vocab_size: int = 512
@@ -55,7 +53,6 @@ def default_cache_dir() -> Path:
 
 
 def _corpus() -> list[str]:
-    """Text the BPE is trained on: chat framing, small arithmetic, plain words."""
     lines = []
     for a in range(10):
         lines.append(f"what is {a}?")

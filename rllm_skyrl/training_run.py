@@ -1,14 +1,10 @@
 """One training run, whichever trainer drives it: build it, fit, always shut down, and report.
 
-Every entry comes here: the examples' Hydra apps call ``train``, and rLLM's ``AgentTrainer(backend=
-"skyrl")`` does through ``rllm_plugin.SkyRLTrainerLauncher``. The trainer is rLLM's
-``UnifiedTrainer`` when rLLM is installed and the standalone fallback otherwise
-(``rllm_names``); around it every run gets the same: the environment's and the config's secrets
-masked in everything it prints, the import-time patch sets before the heavy imports, Ray launched
-beside those imports on a CPU machine, the keys of rLLM's other backends written onto their
-targets (``run_config.with_aliases``), ``metrics.jsonl``, a progress bar with the live reward,
-``metrics.png`` and a summary (``run_console``), one line for a setting to fix, and a clean stop
-on Ctrl-C or SIGTERM with Ray, workers and servers gone.
+Every entry comes here (the examples' Hydra apps, and rLLM's ``AgentTrainer(backend="skyrl")``
+through ``rllm_plugin``), so every run gets the same around its trainer: secrets masked in all it
+prints, the import-time patch sets before the heavy imports, Ray launched beside those imports on a
+CPU machine, ``metrics.jsonl``, a progress bar, ``metrics.png`` and a summary, one line for a
+setting to fix, and a clean stop on Ctrl-C or SIGTERM with Ray, workers and servers gone.
 """
 
 from __future__ import annotations
@@ -36,10 +32,9 @@ def train(
 ) -> Path:
     """Train with the SkyRL backend; returns the run directory (``rllm.trainer.run_dir``).
 
-    ``workflow_class`` may be a dotted path, rLLM's included (``rllm_names.resolve``), so that it is
-    imported only once Ray is on its way. ``trainer_cls`` defaults to ``rllm_names.UnifiedTrainer``;
-    ``backend_cls`` to ``SkyRLBackend`` (a subclass with its own hooks goes through the same path);
-    ``trainer_kwargs`` reach the trainer (rLLM's take ``traj_group_adv_estimator_map``, ``store``...).
+    ``workflow_class`` may be a dotted path, rLLM's included (``rllm_names.resolve``), so it is
+    imported only once Ray is on its way; ``trainer_kwargs`` reach the trainer (rLLM's take
+    ``traj_group_adv_estimator_map``, ``store``...).
     """
     from rllm_skyrl.compat import local_ray
 

@@ -1,33 +1,25 @@
 """What a trajectory must satisfy to become a training row, checked field by field.
 
-Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step and
-the field, and saying what to fix; ``data_adapter`` raises it, or drops the trajectory and counts
-it when ``drop_malformed`` is on. Inputs are read by attribute, so rLLM's pydantic types and
-``rllm_skyrl.records`` both work. Nothing is coerced: a value either reaches the tensors as itself
-(ids as int64, reals rounded to float32 as SkyRL's own builder does) or the trajectory is rejected.
-
-What is accepted (only fields the conversion reads are checked):
+Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step, the
+field and the fix; ``data_adapter`` raises it, or with ``drop_malformed`` drops and counts the
+trajectory. Fields are read by attribute (rLLM's pydantic types and ``rllm_skyrl.records`` both
+work) and never coerced: a value reaches the tensors as itself (ids as int64, reals rounded to
+float32 as SkyRL's own builder does) or the trajectory is rejected. Accepted, of what is read:
 
 * integers: what ``operator.index`` accepts (``int``, numpy integer scalars, 0-d integer arrays),
   never ``bool`` / ``numpy.bool_``; no floats (not even ``3.0``), no strings.
-* real numbers: what ``float()`` accepts without parsing text (``float``, ``int``, numpy and torch
-  scalars, ``Decimal``, ``Fraction``), never ``bool`` / ``numpy.bool_``, never ``str`` or
-  ``bytes``; finite and within float32's range (the tensors are float32).
+* reals: what ``float()`` accepts without parsing text (``float``, ``int``, numpy and torch scalars,
+  ``Decimal``, ``Fraction``), never bools, ``str`` or ``bytes``; finite and within float32's range.
 * id and value lists: a ``list`` or ``tuple`` of such numbers, or a 1-D numpy array of an integer
-  (ids) or integer/float (values) dtype. Anything else (``None``, strings, sets, tensors, nested
-  lists) is rejected.
-* token ids: ``0 <= id < vocab_size`` (``0 <= id < 2**63`` when the vocabulary size is unknown).
+  (ids) or integer/float (values) dtype; not ``None``, strings, sets, tensors or nested lists.
+* token ids: ``0 <= id < vocab_size`` (``< 2**63`` when the vocabulary size is unknown).
 * ``step.logprobs``: one per response token, finite and ``<= LOGPROB_TOLERANCE``.
-* ``step.metadata``: absent, ``None`` or a mapping; its ``lineage_id`` absent, ``None``, a ``str`` or
-  an integer.
+* ``step.metadata``: absent, ``None`` or a mapping; its ``lineage_id`` absent, ``None``, a ``str``
+  or an integer.
 * ``trajectory.reward``: ``None`` (then the last step's ``reward``) or a finite real.
 * ``trajectory.steps``: a non-empty list or tuple; ``group.trajectories``: a list or tuple;
-  ``group.group_id``: a non-empty ``str`` (it becomes SkyRL's uid); ``trajectory.name``: a
-  configured role when roles are configured. ``group.metadata`` and ``trajectory.uid`` only name
-  things in messages and are used when usable.
-
-The rules for numbers and lists of numbers are ``value_checks``; ``step_reads`` reads a step's
-fields by them, a batch's steps a chunk of trajectories at a time.
+  ``group.group_id``: a non-empty ``str`` (SkyRL's uid); ``trajectory.name``: a configured role when
+  roles are configured. ``group.metadata`` and ``trajectory.uid`` only name things in messages.
 """
 
 from __future__ import annotations
@@ -54,15 +46,9 @@ class RowRules(Protocol):
     use_precomputed_advantages: bool
 
 
-# ---------------------------------------------------------------------------------------- labels
-
-
 def group_role(group: Any) -> str:
-    """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role`` defines it.
-
-    Never raises: a group without a usable id counts as ``"all_groups"`` here and is rejected by
-    ``check_group_id`` when it is converted.
-    """
+    """The role a group trains (``"task:role"`` -> ``"role"``), as rLLM's ``group_role``. Never raises:
+    a group without a usable id counts as ``"all_groups"`` (``check_group_id`` rejects it later)."""
     role = getattr(group, "group_role", None)
     if isinstance(role, str) and role:
         return role
@@ -91,9 +77,6 @@ def group_label(group: Any, group_index: int) -> str:
     return f"group #{group_index} {show(getattr(group, 'group_id', None))}"
 
 
-# ------------------------------------------------------------------------- groups and trajectories
-
-
 def _outcome_reward_source(trajectory: Any) -> Any:
     """The raw outcome reward: ``trajectory.reward``, else the last step's (rLLM's fallback)."""
     reward = getattr(trajectory, "reward", None)
@@ -109,11 +92,8 @@ def reward_given(trajectory: Any) -> bool:
 
 
 def trajectory_reward(trajectory: Any) -> float | None:
-    """The outcome reward for statistics and estimators; ``None`` when there is none. Never raises.
-
-    A malformed reward reads as NaN, so estimators leave it out of every baseline and the data
-    adapter then rejects (or drops and counts) the trajectory with the reason.
-    """
+    """The outcome reward for statistics and estimators, or ``None``; never raises. A malformed one
+    reads as NaN: estimators leave it out of every baseline, and the data adapter then rejects it."""
     reward = _outcome_reward_source(trajectory)
     if reward is None:
         return None
@@ -173,11 +153,8 @@ def trajectory_steps(trajectory: Any, label: str) -> list[Any] | tuple[Any, ...]
 
 
 def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
-    """The checked outcome reward (0 when advantages come with the steps and there is none).
-
-    Read after the steps are checked, so a broken last step is reported as itself rather than as
-    a missing fallback reward.
-    """
+    """The checked outcome reward (0 when advantages come with the steps and there is none); read
+    after the steps are checked, so a broken last step is reported as itself, not a missing reward."""
     reward = _outcome_reward_source(trajectory)
     if reward is None and not config.use_precomputed_advantages:
         raise MalformedTrajectoryError(
@@ -189,9 +166,6 @@ def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
         )
     remedy = "the reward function must return a finite number"
     return 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
-
-
-# ------------------------------------------------------------------------------------------ steps
 
 
 _MISSING = object()

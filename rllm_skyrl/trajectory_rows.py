@@ -1,10 +1,9 @@
 """A trajectory's steps, checked, merged into training rows: multi-turn merging.
 
-A step whose prompt starts with everything the row holds so far (previous prompt + previous
-responses) continues that row. The extra prompt tokens are observations (``loss_mask`` 0, logprob
-0, advantage 0); its response tokens are model tokens (``loss_mask`` 1). A step that does not
-extend the row starts a new one. Steps are first split by ``metadata["lineage_id"]`` (a sub-agent's
-turns never extend its parent's), as rLLM's transforms do.
+A step whose prompt starts with everything the row holds so far continues that row: its extra
+prompt tokens are observations (``loss_mask``, logprob and advantage 0), its response tokens are
+trained. Any other step starts a new row. Steps are first split by ``metadata["lineage_id"]`` (a
+sub-agent's turns never extend its parent's), as rLLM's transforms do.
 """
 
 from __future__ import annotations
@@ -30,12 +29,10 @@ from rllm_skyrl.value_checks import MalformedTrajectoryError, real_scalar
 
 @dataclass
 class Row:
-    """One training row under construction, begun by its first step: a prompt and its response window.
+    """One training row under construction: a prompt and its response window.
 
-    The row so far is always the last merged step's prompt followed by its response (``last``'s
-    run), which is what a continuing step's prompt must start with. Its window holds each merged
-    step's response (a trained span) after the observation tokens that step's prompt added.
-    ``advantage``: the trajectory's, for every trained token (else each step's own, if any).
+    The row so far is always ``last``'s prompt and response, which a continuing step's prompt must
+    start with. ``advantage``: the trajectory's, for every trained token (else each step's own).
     """
 
     label: str
@@ -64,11 +61,9 @@ class Row:
         return self.length - self.prompt_length
 
     def extended_by(self, run: StepRun) -> bool:
-        """Whether the step continues the row (its prompt starts with the row so far).
-
-        Compared as bytes: copying both runs and one ``memcmp`` take 0.6 ns an id, where two
-        memoryviews compare element by element (1.7 ns; a 4-turn batch at a GPU run's shape compares
-        3.8 M ids)."""
+        """Whether the step's prompt starts with the row so far. Compared as bytes: copying both runs
+        and one ``memcmp`` take 0.6 ns an id, two memoryviews compare element by element (1.7 ns; a
+        4-turn batch at a GPU run's shape compares 3.8 M ids)."""
         last, length = self.last, self.length
         return (
             run.middle - run.start >= length
@@ -119,10 +114,8 @@ def trajectory_rows(
     runs: list[StepRun] | None,
 ) -> tuple[list[Row], int]:
     """Validate one trajectory and merge its steps into rows; raises ``MalformedTrajectoryError``.
-
-    ``advantage`` is the trajectory's scalar advantage, ``NO_ADVANTAGE`` when none is given;
-    ``runs`` its steps read and checked with the batch's (``batch_step_runs``), if they were.
-    """
+    ``advantage``: the trajectory's scalar or ``NO_ADVANTAGE``; ``runs``: its steps, if the batch's
+    reads (``batch_step_runs``) checked them."""
     label = trajectory_label(group, t)
     group_id = check_group_id(group, label)
     check_role(trajectory, label, config)

@@ -2,9 +2,8 @@
 accepted), and the error every trajectory check raises.
 
 A list is read into a buffer by C code that refuses what is not an integer / real number
-(``array.fromlist``, ``struct``: a few ns an element) and checked with a few numpy reductions; only
-elements worth 0 or 1, the only values a ``bool`` can take, are looked at one by one. Many lists
-read end to end into one buffer are checked by the same rules at once.
+(``array.fromlist``, ``struct``: a few ns an element) and checked with a few numpy reductions, many
+lists at once; only elements worth 0 or 1, the values a ``bool`` can take, are looked at one by one.
 """
 
 from __future__ import annotations
@@ -67,9 +66,8 @@ def _packs(value: Any, code: str) -> bool:
 
 
 def _read(label: str, index: int | None, name: str, value: Any, code: str, remedy: str) -> bytes:
-    """``value`` as int64 (``code="q"``) or float64 (``"d"``) bytes: a list or tuple packed by
-    ``struct``, or a 1-D numpy array of an integer (or, for reals, float) dtype converted; ``remedy``
-    is said when ``value`` is none of these."""
+    """``value``, a list, tuple or 1-D numpy array, as int64 (``code="q"``) or float64 (``"d"``) bytes;
+    ``remedy`` is said when it is none of these."""
     if isinstance(value, list | tuple):
         try:  # a bound Struct.pack copies the list once, struct.pack(fmt, ...) twice (a tenth more)
             return struct.Struct(f"{len(value)}{code}").pack(*value)
@@ -119,10 +117,9 @@ def real_scalar(label: str, index: int | None, name: str, value: Any, remedy: st
 class _Lists:
     """Lists of numbers read end to end: list ``i`` is ``values(i, i + 1)``.
 
-    A subclass stores what it reads (``_values``: all of it as one array) and says which rule its
-    lists break: ``breach(first, stop)`` is the first rule lists ``first`` to ``stop`` break, as a
-    bool among them (its position and itself) or a word that ``named`` turns into the last list's
-    problem and fix; ``None`` when they keep every rule.
+    A subclass stores them (``_values``: all as one array) and ``breach(first, stop)`` gives the first
+    rule those lists break: a bool among them (its position and itself), or a word that ``named``
+    turns into the last list's problem and fix; ``None`` when they keep every rule.
     """
 
     not_bool: str
@@ -141,7 +138,6 @@ class _Lists:
         return self._values()[self.bounds[first] : self.bounds[stop]]
 
     def truncate(self, count: int) -> None:
-        """Forget every list after the first ``count``."""
         del self.lists[count:], self.bounds[count + 1 :]
 
     def first_bool(self, first: int, flagged: np.ndarray) -> tuple[int, Any] | None:

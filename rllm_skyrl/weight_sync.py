@@ -1,15 +1,12 @@
 """Publishing trained weights to the inference servers; ``Platform.weight_sync_method`` picks the way.
 
-``skyrl``: SkyRL moves weights into its vLLM servers itself (NCCL broadcast or CUDA IPC) through
-``WorkerDispatch.save_weights_for_sampler``, once the dispatch knows the servers' client; for a
-LoRA policy that same call writes the adapter to ``lora_sync_path`` and has vLLM load it.
-``lora``: a LoRA policy on CPU. ``save_weights_for_sampler`` cannot run there (its set-up builds
-the GPU transfer), so the policy workers' own ``broadcast_to_inference_engines`` is called with a
-client of the servers: SkyRL writes the adapter (PEFT files) and asks every server to load it
-(``POST /skyrl/v1/load_lora_adapter``), exactly as it does for vLLM. Only adapters move.
+``skyrl``: SkyRL moves weights into its vLLM servers itself (NCCL broadcast or CUDA IPC; a LoRA
+adapter through ``lora_sync_path``) in ``WorkerDispatch.save_weights_for_sampler``.
+``lora``: a LoRA policy on CPU, where that call cannot run (its set-up builds the GPU transfer):
+the policy workers' own ``broadcast_to_inference_engines`` writes the adapter and asks every server
+to load it (``POST /skyrl/v1/load_lora_adapter``), as SkyRL does for vLLM.
 ``disk``: SkyRL has no from-disk path for full weights and its transfer needs vLLM, so the workers
-save HF weights and every server reloads them from that directory (``POST
-/rllm_skyrl/v1/load_weights``, an endpoint of this package's CPU server).
+save HF weights and every server reloads them (``POST /rllm_skyrl/v1/load_weights``, our CPU server's).
 
 A LoRA policy is served under SkyRL's adapter name (``resolve_policy_model_name``), which the
 servers only know once an adapter was loaded: the backend syncs before the first rollout.
@@ -24,7 +21,6 @@ from typing import Any
 
 
 def prepare(method: str, workers: Any, client: Any) -> None:
-    """Connect SkyRL's weight transfer to the servers once, when it is the method in use."""
     if method == "skyrl":
         workers.connect_inference(client)
 
@@ -32,10 +28,8 @@ def prepare(method: str, workers: Any, client: Any) -> None:
 async def sync_weights(
     method: str, workers: Any, servers: Any, sync_dir: Path, version: int, lora_sync_path: str | None = None
 ) -> int | None:
-    """Make every server sample from the workers' current policy.
-
-    Returns the bytes written for the servers to read (None when SkyRL moves them itself).
-    """
+    """Make every server sample from the workers' current policy; returns the bytes written for the
+    servers to read (None when SkyRL moves them itself)."""
     if method == "skyrl":
         await workers.save_weights_for_sampler()
         return None

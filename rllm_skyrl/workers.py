@@ -1,10 +1,8 @@
 """A thin facade over SkyRL's ``WorkerDispatch``: start the actor groups, then train.
 
-Callers say "forward_backward on the policy" and get SkyRL's ``WorkerOutput``
-back; meshes, sharding, gathering and colocation stay SkyRL's business. What this
-layer adds is bring-up from a config (actor groups for policy, and optionally
-critic and ref, on whatever Ray this process is connected to) and a clean
-shutdown that leaves no actor behind.
+Meshes, sharding, gathering and colocation stay SkyRL's business; this layer adds bring-up from a
+config (policy, and optionally critic and ref, on whatever Ray this process joined) and a shutdown
+that leaves no actor behind.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from rllm_skyrl import compat
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run_config import roles_for
 
-ROLES = ("policy", "critic", "ref")
 # Share of a GPU each colocated actor asks Ray for, as SkyRL's trainer does (vLLM's actors take
 # the same): the bundles of the shared placement group hold trainer and server actors together.
 COLOCATED_GPU_SHARE = 0.2
@@ -24,11 +21,9 @@ COLOCATED_GPU_SHARE = 0.2
 class SkyRLWorkers:
     """Policy (and optional critic / ref) FSDP actor groups behind one ``WorkerDispatch``.
 
-    Ray must already be initialised (see ``rllm_skyrl.runtime.start_ray``). ``roles`` defaults to
-    what the config asks for (``run_config.roles_for``). With ``trainer.placement.colocate_all``
-    the actors go into ``placement_group``, the one SkyRL's vLLM servers were started in
-    (``runtime.colocated_placement_group``); SkyRL's dispatch then moves models on and off the
-    GPUs, and its weight transfer uses CUDA IPC.
+    Ray must already be running. With ``trainer.placement.colocate_all`` the actors go into
+    ``placement_group``, the one SkyRL's vLLM servers were started in; SkyRL's dispatch then moves
+    models on and off the GPUs, and its weight transfer uses CUDA IPC.
     """
 
     def __init__(
@@ -103,11 +98,7 @@ class SkyRLWorkers:
         ray.get(refs)
 
     def use_tokenizer(self, tokenizer) -> None:
-        """The tokenizer whose pad id the workers pad with, saved beside HF exports and checkpoints.
-
-        Given to the constructor, or here once loaded: ``Runtime.start`` loads it while the
-        workers' processes import and build the model.
-        """
+        """The tokenizer whose pad id the workers pad with, saved beside HF exports and checkpoints."""
         self.tokenizer = tokenizer
         ray.get(
             [
@@ -140,9 +131,6 @@ class SkyRLWorkers:
     def optim_step(self, role: str = "policy") -> float | None:
         return self.dispatch.optim_step(role)
 
-    def set_lr(self, role: str, learning_rate: float) -> None:
-        self.dispatch.set_lr(role, learning_rate)
-
     def set_algorithm_config(self, role: str, **kwargs) -> None:
         self.dispatch.set_algorithm_config(role, **kwargs)
 
@@ -152,15 +140,11 @@ class SkyRLWorkers:
         self.dispatch.init_weight_sync_state(client)
 
     async def save_weights_for_sampler(self) -> None:
-        """SkyRL's in-memory transfer of the policy's weights into the connected servers."""
         await self.dispatch.save_weights_for_sampler()
 
     def broadcast_to_inference_engines(self, client) -> None:
-        """The policy workers' own sync into ``client``'s servers, without the GPU transfer set-up.
-
-        For a LoRA policy this is SkyRL's adapter path: rank 0 writes the PEFT adapter to
-        ``trainer.policy.model.lora.lora_sync_path`` and calls ``client.load_lora_adapter``.
-        """
+        """The policy workers' own sync into ``client``'s servers, without the GPU transfer set-up: for
+        LoRA, rank 0 writes the adapter to ``lora_sync_path`` and calls ``client.load_lora_adapter``."""
         ray.get(
             self._groups["policy"].async_run_ray_method(
                 "pass_through", "broadcast_to_inference_engines", client, self.cfg.generator.inference_engine
