@@ -277,8 +277,11 @@ def test_samples_of_one_prompt_share_its_prefill(server, tiny_tokenizer, prompts
 
 
 def test_an_idle_server_admits_a_burst_as_one_prefill_but_does_not_wait_out_a_stream(server, prompts):
-    """Requests arriving a fraction of a millisecond apart share one prefill, as if queued together;
-    a steady stream is still admitted while it lasts (after at most the burst's maximum wait)."""
+    """Requests arriving less than ``BURST_GAP_S`` apart share one prefill, as if queued together;
+    a steady stream is still admitted while it lasts (after at most the burst's maximum wait).
+
+    A busy machine may pause the submitting thread past the gap, which rightly splits the burst:
+    only bursts whose measured arrivals stayed inside the window are held to one prefill."""
     scheduler = server.service.scheduler
     params = SamplingParams.from_dict({"max_tokens": 1})
     done: list[float] = []
@@ -286,29 +289,40 @@ def test_an_idle_server_admits_a_burst_as_one_prefill_but_does_not_wait_out_a_st
     def submit(prompt):
         scheduler.submit([(prompt, params, lambda outcome: done.append(time.monotonic()))])
 
-    before = scheduler.counters["prefills"]
-    for prompt in prompts:
-        submit(prompt)
-        time.sleep(BURST_GAP_S / 4)
-    deadline = time.monotonic() + 30
-    while len(done) < len(prompts) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert len(done) == len(prompts)
-    assert scheduler.counters["prefills"] - before == 1
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(done) < count and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(done) == count
+
+    in_window = 0
+    for _ in range(50):
+        done.clear()
+        before = scheduler.counters["prefills"]
+        started = time.monotonic()
+        previous, widest_gap = started, 0.0
+        for prompt in prompts:
+            submit(prompt)
+            now = time.monotonic()
+            widest_gap, previous = max(widest_gap, now - previous), now
+            time.sleep(BURST_GAP_S / 4)
+        wait_for(len(prompts))
+        if widest_gap < BURST_GAP_S and previous - started < BURST_MAX_WAIT_S:
+            assert scheduler.counters["prefills"] - before == 1
+            in_window += 1
+            if in_window == 3:
+                break
+    assert in_window > 0, "no burst arrived inside the window in 50 tries"
 
     done.clear()
     submitted = 0
-    end = time.monotonic() + 5 * BURST_MAX_WAIT_S
-    while time.monotonic() < end:
+    deadline = time.monotonic() + 60
+    while not done and time.monotonic() < deadline:  # the stream lasts until the first is answered
         submit(prompts[1])
         submitted += 1
         time.sleep(BURST_GAP_S / 4)
-    last_submit = time.monotonic()
-    first_done = done[0] if done else None
-    deadline = time.monotonic() + 30
-    while len(done) < submitted and time.monotonic() < deadline:  # leave the server idle
-        time.sleep(0.001)
-    assert first_done is not None and first_done < last_submit, "the first request waited for the stream"
+    assert done, "the first request waited for the stream"
+    wait_for(submitted)  # leave the server idle
 
 
 def test_a_delivered_request_no_longer_counts_as_running(server, prompts):
