@@ -59,11 +59,8 @@ def sample_params(params: dict[str, Any]) -> dict[str, Any] | None:
 class SampleBatcher:
     """Gathers concurrent identical requests per client and sends each group as one ``sample``."""
 
-    def __init__(
-        self, model: str | None = None, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES
-    ) -> None:
+    def __init__(self, model: str | None = None, max_samples: int = MAX_SAMPLES) -> None:
         self.model = model
-        self.window_s = window_s
         self.max_samples = max_samples
         self._pending: dict[tuple, _Pending] = {}
         self.requests_sent = 0  # sample calls made (each serving one or more callers)
@@ -81,7 +78,7 @@ class SampleBatcher:
         pending = self._pending.pop(key, None)
         if pending is None:
             pending = _Pending(key, list(prompt), tinker)
-            pending.timer = loop.call_later(self.window_s, self._send, pending, client)
+            pending.timer = loop.call_later(WINDOW_S, self._send, pending, client)
         if seed is not None:
             pending.key = (*key[:3], seed + 1)
         # Where a call already expects that next seed (this caller repeated one of its seeds), this
