@@ -12,6 +12,7 @@ drawn with, deliberately (vLLM's default "raw logprobs" mode does the same). Gre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,32 +56,31 @@ LOGPROB_FLOOR = -9999.0
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024  # every decode step checks each running row's stops
 MAX_STOP_TOKEN_IDS = 1024
 
-_CHECKS = {
-    "max_tokens": lambda v: checks.optional_integer("max_tokens", v, 1, INT32_MAX),
-    "min_tokens": lambda v: checks.integer("min_tokens", v, 0, INT32_MAX),
-    "temperature": lambda v: checks.number("temperature", v, 0.0, math.inf),
-    "top_p": lambda v: checks.number("top_p", v, 0.0, 1.0, lo_open=True),
-    "top_k": lambda v: checks.integer("top_k", v, -1, INT32_MAX),
-    "min_p": lambda v: checks.number("min_p", v, 0.0, 1.0),
-    "seed": lambda v: checks.optional_integer("seed", v, INT64_MIN, INT64_MAX),
-    "stop": lambda v: checks.strings("stop", v, max_len=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS),
-    "stop_token_ids": lambda v: checks.integers(
-        "stop_token_ids", v, 0, INT32_MAX, max_len=MAX_STOP_TOKEN_IDS
-    ),
-    "ignore_eos": lambda v: checks.boolean("ignore_eos", v),
-    "logprobs": lambda v: _logprobs(v),
-    "skip_special_tokens": lambda v: checks.boolean("skip_special_tokens", v),
-    "include_stop_str_in_output": lambda v: checks.boolean("include_stop_str_in_output", v),
-}
-_NULLABLE = frozenset({"max_tokens", "seed", "logprobs"})
 
-
-def _logprobs(value: Any) -> int | None:
+def _logprobs(name: str, value: Any) -> int | None:
     """vLLM's reading: ``true`` is 1 alternative, ``false``/null none, k in [0, 20] the sampled
     token plus k alternatives."""
     if isinstance(value, bool):
         return 1 if value else None
-    return checks.optional_integer("logprobs", value, 0, MAX_TOP_LOGPROBS)
+    return checks.optional_integer(name, value, 0, MAX_TOP_LOGPROBS)
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "max_tokens": lambda k, v: checks.optional_integer(k, v, 1, INT32_MAX),
+    "min_tokens": lambda k, v: checks.integer(k, v, 0, INT32_MAX),
+    "temperature": lambda k, v: checks.number(k, v, 0.0, math.inf),
+    "top_p": lambda k, v: checks.number(k, v, 0.0, 1.0, lo_open=True),
+    "top_k": lambda k, v: checks.integer(k, v, -1, INT32_MAX),
+    "min_p": lambda k, v: checks.number(k, v, 0.0, 1.0),
+    "seed": lambda k, v: checks.optional_integer(k, v, INT64_MIN, INT64_MAX),
+    "stop": lambda k, v: checks.strings(k, v, max_len=MAX_STOP_STRINGS, max_chars=MAX_STOP_CHARS),
+    "stop_token_ids": lambda k, v: checks.integers(k, v, 0, INT32_MAX, max_len=MAX_STOP_TOKEN_IDS),
+    "ignore_eos": checks.boolean,
+    "logprobs": _logprobs,
+    "skip_special_tokens": checks.boolean,
+    "include_stop_str_in_output": checks.boolean,
+}
+_NULLABLE = frozenset({"max_tokens", "seed", "logprobs"})
 
 
 @dataclass
@@ -124,7 +124,7 @@ class SamplingParams:
             check = _CHECKS.get(key)
             if check is None:
                 raise checks.bad(f"unknown sampling param {checks.shown(key)}; supported: {sorted(_CHECKS)}")
-            setattr(params, key, check(value))
+            setattr(params, key, check(key, value))
         if params.max_tokens is not None and params.min_tokens > params.max_tokens:
             raise checks.bad(f"min_tokens ({params.min_tokens}) exceeds max_tokens ({params.max_tokens})")
         params.top_k = max(params.top_k, 0)
@@ -200,11 +200,8 @@ class BatchSampler:
         top = None
         if self.max_top > 0:
             values, indices = logprobs.topk(self.max_top, dim=-1)
-            values = _reportable(values)
-            pairs = [
-                list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)
-            ]
-            top = [row[: p.logprobs or 0] for row, p in zip(pairs, self.params, strict=True)]
+            rows = zip(indices.tolist(), _reportable(values).tolist(), self.params, strict=True)
+            top = [list(zip(i, v, strict=True))[: p.logprobs or 0] for i, v, p in rows]
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
     def _stop_mask(self, vocab: int) -> torch.Tensor:
