@@ -29,27 +29,21 @@ class GenerationResult:
 Callback = Callable[[GenerationResult | BaseException], None]
 
 
+@dataclass(eq=False)
 class GenerationRequest:
     """A request's state while it waits or runs; touched only by the generation thread once queued."""
 
-    def __init__(
-        self,
-        seq: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        adapter: str | None,
-        max_new: int,
-        stop_ids: frozenset[int],
-        on_done: Callback,
-    ):
-        self.seq = seq
-        self.prompt_ids = prompt_ids
-        self.prompt_key: tuple[int, ...] = tuple(prompt_ids)  # rows with equal keys share a prefill
-        self.params = params
-        self.adapter = adapter
-        self.max_new = max_new
-        self.stop_ids = stop_ids
-        self.on_done = on_done
+    seq: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    max_new: int
+    stop_ids: frozenset[int]
+    on_done: Callback
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.prompt_key: tuple[int, ...] = tuple(self.prompt_ids)  # rows with equal keys share a prefill
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.token_ids: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None

@@ -10,6 +10,7 @@ columns only padding is left in. Which requests run is the scheduler's business.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,24 +21,16 @@ from rllm_skyrl.inference.generation_request import GenerationRequest
 from rllm_skyrl.inference.sampling import BatchSampler, SampleResult
 
 
+@dataclass
 class KVBatch:
     """Rows with their KV cache and per-row state; the sampler is rebuilt whenever the rows change."""
 
-    def __init__(
-        self,
-        rows: list[GenerationRequest],
-        cache: DynamicCache,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        last: torch.Tensor,
-        sampler: BatchSampler,
-    ):
-        self.rows = rows
-        self.cache = cache
-        self.mask = mask  # [B, T] 1 = real token
-        self.positions = positions  # [B] position id of the next input token
-        self.last = last  # [B] next input token
-        self.sampler = sampler
+    rows: list[GenerationRequest]
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, T] 1 = real token
+    positions: torch.Tensor  # [B] position id of the next input token
+    last: torch.Tensor  # [B] next input token
+    sampler: BatchSampler
 
 
 class RunningBatch:
@@ -119,17 +112,12 @@ class RunningBatch:
         result = batch.sampler.sample(out.logits[:, -1, :].float())
         batch.positions = batch.positions + 1
         batch.last = torch.tensor(result.tokens)
-        keep = self._record(batch.rows, result)
-        if len(keep) < len(batch.rows):
-            self.batch = self._select(batch, keep)
+        self.keep(self._record(batch.rows, result))
 
     def keep(self, keep: list[int]) -> None:
-        """Keep only the rows at the indices ``keep`` (rows the scheduler took out finish there)."""
+        """Keep only the rows at the indices ``keep``; the caller finishes the others."""
         if self.batch is not None and len(keep) < len(self.batch.rows):
             self.batch = self._select(self.batch, keep)
-
-    def clear(self) -> None:
-        self.batch = None
 
     def _sampler(self, rows: list[GenerationRequest]) -> BatchSampler:
         return BatchSampler(

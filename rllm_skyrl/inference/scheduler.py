@@ -248,7 +248,7 @@ class Scheduler:
             logger.exception("generation step failed")
             for row in admitted + self._running.rows:
                 row.fail(exc)
-            self._running.clear()
+            self._running.batch = None
 
     def _await_burst(self) -> None:
         """With nothing running, let a burst of requests finish arriving (holding ``_cv``)."""
