@@ -189,7 +189,8 @@ class Scheduler:
         def apply() -> Future | None:
             self._pause, self._pause_gate = mode, gate
             if mode == "abort":
-                self._abort_through(gate)
+                for request in self._take_out(lambda r: r.seq <= gate):
+                    request.finish("abort")
             if mode == "wait" and not self._drained():
                 waiter: Future = Future()
                 self._drain_waiters.append(waiter)
@@ -319,28 +320,21 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         with self._cv:
             self._cancel_pending = False
-            gone = [r for r in self._waiting if r.cancelled]
-            self._waiting = deque(r for r in self._waiting if not r.cancelled)
-        gone += [r for r in self._running.rows if r.cancelled]
-        self._running.keep([i for i, r in enumerate(self._running.rows) if not r.cancelled])
-        for request in gone:
+        for request in self._take_out(lambda r: r.cancelled):
             if not request.done:
                 self.counters["cancelled"] += 1
                 request.finish("abort")
 
-    # ------------------------------------------------------------------ pause helpers
-    def _abort_through(self, gate: int) -> None:
-        rows = self._running.rows
-        for row in rows:
-            if row.seq <= gate:
-                row.finish("abort")
-        self._running.keep([i for i, row in enumerate(rows) if row.seq > gate])
+    def _take_out(self, doomed: Callable[[GenerationRequest], bool]) -> list[GenerationRequest]:
+        """Remove the requests ``doomed`` picks from the queue and the batch; the caller finishes them."""
         with self._cv:
-            doomed = [r for r in self._waiting if r.seq <= gate]
-            self._waiting = deque(r for r in self._waiting if r.seq > gate)
-        for request in doomed:
-            request.finish("abort")
+            gone = [r for r in self._waiting if doomed(r)]
+            self._waiting = deque(r for r in self._waiting if not doomed(r))
+        rows = self._running.rows
+        self._running.keep([i for i, r in enumerate(rows) if not doomed(r)])
+        return gone + [r for r in rows if doomed(r)]
 
+    # ------------------------------------------------------------------ pause helpers
     def _drained(self) -> bool:
         with self._cv:
             waiting = any(r.seq <= self._pause_gate for r in self._waiting)
