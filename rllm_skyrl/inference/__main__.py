@@ -43,14 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on start)")
     parser.add_argument(
         "--weights-root",
-        default=None,
         help="the only directory tree /rllm_skyrl/v1/load_weights and the LoRA routes read from "
         "(default: none, weight loading is refused)",
     )
-    parser.add_argument("--served-model-name", default=None, help="name clients pass as 'model'")
-    parser.add_argument(
-        "--max-model-len", type=int, default=None, help="context limit (default: from config)"
-    )
+    parser.add_argument("--served-model-name", help="name clients pass as 'model'")
+    parser.add_argument("--max-model-len", type=int, help="context limit (default: from config)")
     parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences decoded together")
     parser.add_argument(
         "--max-waiting", type=int, default=4096, help="most requests queued; beyond, 503 + Retry-After"
@@ -65,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (default 1: small models are dominated by per-op overhead, and "
         "more threads than free cores slows every step down sharply when a trainer shares the machine)",
     )
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     args.token = os.environ.pop(TOKEN_ENV, None) or None
