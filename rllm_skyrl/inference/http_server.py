@@ -50,8 +50,6 @@ class InferenceServer:
         self.host = host
         self.port = port
         self.log_level = log_level
-        self.token = token
-        self.max_body_bytes = max_body_bytes
         self.service = InferenceService(
             model_dir,
             served_model_name=served_model_name,
@@ -62,6 +60,7 @@ class InferenceServer:
             seed=seed,
             weights_root=weights_root,
         )
+        self.app = build_app(self.service, token=token, max_body_bytes=max_body_bytes)
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -87,7 +86,7 @@ class InferenceServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            build_app(self.service, token=self.token, max_body_bytes=self.max_body_bytes),
+            self.app,
             log_level=self.log_level,
             access_log=False,
             timeout_keep_alive=5,  # SkyRL's client keeps idle connections 2 s; outlive that
