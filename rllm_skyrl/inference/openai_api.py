@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from rllm_skyrl.inference import checks
@@ -117,7 +119,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
             },
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
-            "logprobs": _chat_logprobs(service, result),
+            "logprobs": logprobs_content(result, partial(_chat_entry, service)),
         }
         if return_token_ids:
             choice["token_ids"] = result.token_ids
@@ -135,21 +137,24 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
     return response
 
 
-def _chat_logprobs(service: InferenceService, result: GenerationResult) -> dict[str, Any] | None:
+def logprobs_content(
+    result: GenerationResult, entry: Callable[[int, float], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """vLLM's chat ``logprobs``, each token (sampled or top) rendered by ``entry(token, logprob)``."""
     if result.logprobs is None:
         return None
     tops = result.top_logprobs or [[] for _ in result.token_ids]
-
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        piece = _piece(service, token)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
-
     return {
         "content": [
             {**entry(t, lp), "top_logprobs": [entry(tt, v) for tt, v in top]}
             for t, lp, top in zip(result.token_ids, result.logprobs, tops, strict=True)
         ]
     }
+
+
+def _chat_entry(service: InferenceService, token: int, logprob: float) -> dict[str, Any]:
+    piece = _piece(service, token)
+    return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
 async def _prompts(service: InferenceService, prompt: Any) -> list[list[int]]:

@@ -72,20 +72,8 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def token_logprobs(result: GenerationResult) -> dict[str, Any] | None:
-    """vLLM's ``logprobs.content`` for token-in/token-out responses (tokens named ``token_id:N``)."""
-    if result.logprobs is None:
-        return None
-    tops = result.top_logprobs or [[] for _ in result.token_ids]
-    return {
-        "content": [
-            {
-                "token": f"token_id:{token}",
-                "logprob": logprob,
-                "top_logprobs": [{"token": f"token_id:{t}", "logprob": v} for t, v in top],
-            }
-            for token, logprob, top in zip(result.token_ids, result.logprobs, tops, strict=True)
-        ]
-    }
+    """vLLM's ``logprobs`` for token-in/token-out responses (tokens named ``token_id:N``)."""
+    return openai_api.logprobs_content(result, lambda t, lp: {"token": f"token_id:{t}", "logprob": lp})
 
 
 async def _disconnected(request: Request) -> None:
@@ -149,7 +137,7 @@ def build_app(
         raw_params = body.get("sampling_params")
         params = SamplingParams.from_dict(raw_params)
         # n samples of one prompt (SkyRL's client asks for them through its Tinker-style `sample`).
-        n = openai_api.num_choices(raw_params if isinstance(raw_params, dict) else {})
+        n = openai_api.num_choices(raw_params or {})  # from_dict refused anything but an object or null
         adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
         jobs = openai_api.n_jobs(token_ids, params, n)
         results = await unless_disconnected(request, service.generate_many(jobs, adapter))
