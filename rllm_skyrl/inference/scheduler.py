@@ -48,11 +48,11 @@ class Scheduler:
         tokenizer: Any,
         *,
         max_model_len: int,
-        max_batch_size: int = 256,
-        max_waiting: int = 4096,
-        seed: int = 0,
-        can_merge: bool = True,
-        weights_root: WeightsRoot | None = None,
+        max_batch_size: int,
+        max_waiting: int,
+        seed: int,
+        can_merge: bool,
+        weights_root: WeightsRoot,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -63,7 +63,7 @@ class Scheduler:
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_ids = eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.lora = LoraAdapters(model, weights_root or WeightsRoot(None))
+        self.lora = LoraAdapters(model, weights_root)
         self.weight_version = 0
         self._seq = itertools.count()
         self._cv = threading.Condition()

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,21 +128,18 @@ class InferenceService:
 
         # Called on the generation thread, which finishes every row of a batch in one pass: the
         # loop is woken once per call (a failure at once), not once per sample.
-        def on_done(index: int) -> Callable[[GenerationResult | BaseException], None]:
-            def record(outcome: GenerationResult | BaseException) -> None:
-                nonlocal remaining
-                if isinstance(outcome, BaseException):
-                    loop.call_soon_threadsafe(_settle, done, outcome)
-                    return
-                results[index] = outcome
-                remaining -= 1
-                if remaining == 0:
-                    loop.call_soon_threadsafe(_settle, done, results)
-
-            return record
+        def record(index: int, outcome: GenerationResult | BaseException) -> None:
+            nonlocal remaining
+            if isinstance(outcome, BaseException):
+                loop.call_soon_threadsafe(_settle, done, outcome)
+                return
+            results[index] = outcome
+            remaining -= 1
+            if remaining == 0:
+                loop.call_soon_threadsafe(_settle, done, results)
 
         requests = self.scheduler.submit(
-            [(prompt, params, on_done(i)) for i, (prompt, params) in enumerate(jobs)], adapter=adapter
+            [(prompt, params, partial(record, i)) for i, (prompt, params) in enumerate(jobs)], adapter=adapter
         )
         try:
             return list(await done)
