@@ -36,17 +36,10 @@ class KVBatch:
 class RunningBatch:
     """Used on the generation thread only, except ``rows``; counts into the scheduler's ``counters``."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        tokenizer: Any,
-        pad_id: int,
-        rng: torch.Generator,
-        counters: Counter[str],
-    ):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, rng: torch.Generator, counters: Counter[str]):
         self.model = model
         self.tokenizer = tokenizer
-        self.pad_id = pad_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rng = rng
         self.counters = counters
         self.batch: KVBatch | None = None

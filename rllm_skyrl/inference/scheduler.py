@@ -55,14 +55,12 @@ class Scheduler:
         weights_root: WeightsRoot,
     ):
         self.model = model
-        self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
         self.can_merge = can_merge
         self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.eos_ids = eos_ids(model, tokenizer)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.lora = LoraAdapters(model, weights_root)
         self.weight_version = 0
         self._seq = itertools.count()
@@ -77,9 +75,7 @@ class Scheduler:
         # reading the counters from another thread never sees the dict change size.
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         # Generation-thread state.
-        self._running = RunningBatch(
-            model, tokenizer, self.pad_id, torch.Generator().manual_seed(seed), self.counters
-        )
+        self._running = RunningBatch(model, tokenizer, torch.Generator().manual_seed(seed), self.counters)
         self._pause: str | None = None
         self._pause_gate = -1  # in "wait" mode, requests with seq <= gate still run
         self._drain_waiters: list[Future] = []
