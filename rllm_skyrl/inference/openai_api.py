@@ -67,10 +67,9 @@ def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
 
 def n_jobs(prompt_ids: list[int], params: SamplingParams, n: int) -> list[tuple[list[int], SamplingParams]]:
     """n independent samples; with a seed, sample i uses seed + i so they differ yet reproduce."""
-    seed = params.seed
-    return [(prompt_ids, params)] + [
-        (prompt_ids, replace(params, seed=None if seed is None else seed + i)) for i in range(1, n)
-    ]
+    if params.seed is None:
+        return [(prompt_ids, params)] * n
+    return [(prompt_ids, replace(params, seed=params.seed + i)) for i in range(n)]
 
 
 def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, int]:
@@ -177,29 +176,27 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
     n = num_choices(body)
     return_token_ids = _flag(body, "return_token_ids")
     prompts = await _prompts(service, body.get("prompt"))
-    flat = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
-    batches = [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+    results = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
     choices = []
-    for p_index, results in enumerate(batches):
-        for j, result in enumerate(results):
-            choice: dict[str, Any] = {
-                "index": p_index * n + j,
-                "text": service.output_text(result, params),
-                "finish_reason": result.finish_reason,
-                "stop_reason": result.stop_reason,
-                "logprobs": _completion_logprobs(service, result),
-            }
-            if return_token_ids:
-                choice["token_ids"] = result.token_ids
-                choice["prompt_token_ids"] = prompts[p_index]
-            choices.append(choice)
+    for index, result in enumerate(results):  # prompt by prompt, n choices each
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": service.output_text(result, params),
+            "finish_reason": result.finish_reason,
+            "stop_reason": result.stop_reason,
+            "logprobs": _completion_logprobs(service, result),
+        }
+        if return_token_ids:
+            choice["token_ids"] = result.token_ids
+            choice["prompt_token_ids"] = prompts[index // n]
+        choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": body.get("model") or service.served_model_name,
         "choices": choices,
-        "usage": _usage(sum(len(p) for p in prompts) * n, [r for b in batches for r in b]),
+        "usage": _usage(sum(len(p) for p in prompts) * n, results),
     }
 
 
