@@ -106,8 +106,7 @@ class SamplingParams:
         """Check a vLLM-style ``sampling_params`` field by field (null means "default"). Unknown keys,
         and neutral-only keys at another value, are refused rather than ignored: sampling from
         another distribution than asked for would corrupt a training run unnoticed."""
-        if raw is None:
-            raw = {}
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise checks.bad(f"sampling_params must be a JSON object, got {checks.shown(raw)}")
         params = cls()

@@ -92,10 +92,9 @@ def _read_state(directory: Path, root: WeightsRoot) -> dict[str, torch.Tensor]:
             f"no model.safetensors, {_SAFETENSORS_INDEX} or pytorch_model.bin in {str(directory)!r}; "
             "write the weights with model.save_pretrained(dir)",
         )
-    state: dict[str, torch.Tensor] = {}
-    for path in bin_files:
-        state.update(torch.load(path, map_location="cpu", weights_only=True))
-    return state
+    return {
+        k: v for path in bin_files for k, v in torch.load(path, map_location="cpu", weights_only=True).items()
+    }
 
 
 def _index_files(directory: Path, index_name: str, root: WeightsRoot) -> list[Path]:
