@@ -81,10 +81,9 @@ def outcome_advantages(
         factor_N = count_G[group_N] / (count_G[group_N] - 1).clamp(min=1)
         advantages_N = torch.where(single_N, rewards_N, factor_N * centered_N)
     else:  # std pooled over the whole role; baseline: the role's mean (prpo) or the group's
-        pooled_N = rewards_N[finite_N] if estimator == "prpo" else centered_N[finite_N]
         if estimator == "prpo":
-            centered_N = rewards_N - pooled_N.mean()
-        role_std = pooled_N.std(unbiased=False) if finite_N.any() else 0.0
+            centered_N = rewards_N - (rewards_N[finite_N].mean() if finite_N.any() else 0.0)
+        role_std = centered_N[finite_N].std(unbiased=False) if finite_N.any() else 0.0
         advantages_N = centered_N / (role_std + epsilon)
     advantages_N = torch.where(finite_N, advantages_N, 0.0)
     return list(torch.split(advantages_N, sizes))
