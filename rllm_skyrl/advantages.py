@@ -80,15 +80,10 @@ def outcome_advantages(
         # Leave-one-out mean as baseline: n/(n-1) * (r - mean). rLLM keeps the raw reward for n=1.
         factor_N = count_G[group_N] / (count_G[group_N] - 1).clamp(min=1)
         advantages_N = torch.where(single_N, rewards_N, factor_N * centered_N)
-    elif estimator == "prpo":  # baseline and scale pooled over every trajectory of the role
-        finite_rewards_N = rewards_N[finite_N]
-        mean = finite_rewards_N.mean() if finite_N.any() else torch.tensor(0.0, dtype=torch.float64)
-        std = (
-            finite_rewards_N.std(unbiased=False) if finite_N.any() else torch.tensor(0.0, dtype=torch.float64)
-        )
-        advantages_N = (rewards_N - mean) / (std + epsilon)
-    else:  # reinforce_plus_plus_baseline: group-mean baseline, std pooled over the whole role.
-        role_std = centered_N[finite_N].std(unbiased=False) if finite_N.any() else torch.tensor(0.0)
+    else:  # std pooled over the whole role; baseline: the role's mean (prpo) or the group's
+        if estimator == "prpo":
+            centered_N = rewards_N - (rewards_N[finite_N].mean() if finite_N.any() else 0.0)
+        role_std = centered_N[finite_N].std(unbiased=False) if finite_N.any() else 0.0
         advantages_N = centered_N / (role_std + epsilon)
     advantages_N = torch.where(finite_N, advantages_N, 0.0)
     return list(torch.split(advantages_N, sizes))
@@ -172,7 +167,6 @@ def compute_group_advantages(
     *,
     estimator_map: Mapping[str, str] | None = None,
     norm_by_std: bool = True,
-    epsilon: float = 1e-6,
 ) -> GroupAdvantages:
     """rLLM-style advantages, one estimator per role (``estimator_map``), with rLLM's metric names."""
     rewards_by_group = [_group_rewards(g) for g in groups]
@@ -185,17 +179,14 @@ def compute_group_advantages(
     for role, indices in indices_by_role.items():
         role_rewards = [rewards_by_group[i] for i in indices]
         role_estimator = (estimator_map or {}).get(role, estimator)
-        role_advantages = outcome_advantages(
-            role_rewards, role_estimator, norm_by_std=norm_by_std, epsilon=epsilon
-        )
+        role_advantages = outcome_advantages(role_rewards, role_estimator, norm_by_std=norm_by_std)
         for i, advantages_G in zip(indices, role_advantages, strict=True):
             advantages_by_group[i] = advantages_G
         rewards_N = torch.cat(role_rewards)
         finite_N = torch.isfinite(rewards_N)
         advantages_N = torch.cat(role_advantages)[finite_N]
-        metrics |= _summary(f"reward/{role}", rewards_N[finite_N]) | _summary(
-            f"advantage/{role}", advantages_N
-        )
+        metrics |= _summary(f"reward/{role}", rewards_N[finite_N])
+        metrics |= _summary(f"advantage/{role}", advantages_N)
         if advantages_N.numel():
             metrics[f"advantage/{role}/fraction_zero"] = (advantages_N.abs() < 1e-8).double().mean().item()
         spreads.append(_spread(role_rewards))

@@ -8,8 +8,7 @@ Layout under ``root`` (``training.default_local_dir``)::
         trainer_state.json   step, data-loader position, driver RNG
     latest                   "global_step_N" of the newest complete checkpoint
 
-How steps are laid out, published, locked and read back checked is ``checkpoint_dirs``: a process
-killed at any point of a save leaves the previous checkpoint and ``latest`` usable.
+How steps are published atomically, locked and read back checked is ``checkpoint_dirs``.
 
 Resume modes (``training.resume_mode``): ``auto`` continues from ``latest`` if there is one,
 ``disable`` starts from step 1 whatever is on disk, ``resume_path`` loads

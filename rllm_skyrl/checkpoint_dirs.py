@@ -110,7 +110,8 @@ def _refuse_foreign_writer(path: Path) -> None:
         )
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: str | Path) -> None:
+    """Flush a file, or a directory's entries."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -122,12 +123,8 @@ def fsync_tree(root: Path) -> None:
     """Flush every file and directory under ``root``, so a rename never publishes unwritten data."""
     for directory, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(directory))
+            _fsync(os.path.join(directory, name))
+        _fsync(directory)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -137,7 +134,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    _fsync(path.parent)
 
 
 def step_of(path: Path) -> int | None:
@@ -168,7 +165,7 @@ def publish(root: Path, step: int, tmp: Path) -> Path:
         old = root / f"{OLD_PREFIX}{step}_{os.getpid()}"
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    _fsync(root)
     _write_atomic(root / LATEST, final.name)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -199,16 +196,11 @@ def latest_step(root: Path) -> int | None:
     if not pointer.exists():
         return None
     name = pointer.read_text().strip()
+    remedy = f"point it at a complete {STEP_PREFIX}N directory, or delete it to start over"
     if not _POINTER.fullmatch(name):
-        raise CheckpointError(
-            f"{pointer} holds {name[:80]!r}, not '{STEP_PREFIX}<N>'; point it at a complete "
-            f"{STEP_PREFIX}N directory, or delete it to start over"
-        )
+        raise CheckpointError(f"{pointer} holds {name[:80]!r}, not '{STEP_PREFIX}<N>'; {remedy}")
     if not (root / name / STATE_FILE).exists():
-        raise CheckpointError(
-            f"{pointer} names {name!r}, which is not a complete checkpoint; point it at a complete "
-            f"{STEP_PREFIX}N directory, or delete it to start over"
-        )
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint; {remedy}")
     return int(name.removeprefix(STEP_PREFIX))
 
 

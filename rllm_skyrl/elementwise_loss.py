@@ -37,9 +37,7 @@ class ElementwisePolicyLoss:
         """The policy's AlgorithmConfig with ``resolved``'s overrides merged as the worker merges them
         (OmegaConf, ``_forward_backward_micro``); None when the recomputation is not exact. Kept per
         override set: merging costs milliseconds a step."""
-        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import (
-            off_policy_correction_enabled,
-        )
+        from skyrl.backends.skyrl_train.utils.off_policy_correction_utils import off_policy_correction_enabled
 
         key = f"{resolved.skyrl_loss_name}:{sorted(resolved.skyrl_config.items())!r}"
         if key not in self._configs:
@@ -62,10 +60,9 @@ class ElementwisePolicyLoss:
         if config is None:
             return None
         loss_mask_BT = batch["loss_mask"].float()
-        width = loss_mask_BT.shape[1]
         mask_BT = loss_mask_BT.clone().requires_grad_(True)
         loss, _ = PolicyLossRegistry.get(resolved.skyrl_loss_name)(
-            right_aligned(logprobs, width),
+            right_aligned(logprobs, loss_mask_BT.shape[1]),
             batch["action_log_probs"].float(),
             batch["advantages"].float(),
             config=config,

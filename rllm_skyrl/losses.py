@@ -160,27 +160,21 @@ def accepted_config_keys(loss_fn: str) -> tuple[str, ...]:
     return tuple(_LOSSES[loss_fn].options)
 
 
-def _check_role(role: str, loss_fn: str) -> str:
-    """Validate the pairing; return the Tinker name in effect (``ppo`` on a critic is ``ppo_critic``)."""
+def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
+    """Check ``loss_fn`` against the model role (``ppo`` on a critic is ``ppo_critic``) and translate
+    its config to SkyRL's keys."""
     if role not in (POLICY, CRITIC):
         raise ValueError(f"unknown model role {role!r}; losses train 'policy' or 'critic' models")
     if loss_fn not in _LOSSES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; accepted: {list(LOSS_NAMES)}")
-    if role == CRITIC:
-        if loss_fn not in ("ppo", "ppo_critic"):
-            raise ValueError(f"the critic trains with loss_fn='ppo_critic' (or 'ppo'), got {loss_fn!r}")
-        return "ppo_critic"
-    if loss_fn == "ppo_critic":
+    if role == CRITIC and loss_fn not in ("ppo", "ppo_critic"):
+        raise ValueError(f"the critic trains with loss_fn='ppo_critic' (or 'ppo'), got {loss_fn!r}")
+    if role == POLICY and loss_fn == "ppo_critic":
         raise ValueError(
             "loss_fn='ppo_critic' trains a value head: use it on the critic; "
             f"policy losses: {list(POLICY_LOSS_NAMES)}"
         )
-    return loss_fn
-
-
-def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | None = None) -> ResolvedLoss:
-    """Check ``loss_fn`` against the model role and translate its config to SkyRL's keys."""
-    name = _check_role(role, loss_fn)
+    name = "ppo_critic" if role == CRITIC else loss_fn
     spec = _LOSSES[name]
     skyrl_config: dict[str, Any] = {} if spec.skyrl_name is None else {"policy_loss_type": spec.skyrl_name}
     skyrl_config.update(spec.fixed)

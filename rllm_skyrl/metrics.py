@@ -54,15 +54,12 @@ _CRITIC_NAMES = {
 def worker_metrics(role: str, metrics: dict[str, Any]) -> dict[str, float]:
     """SkyRL worker metrics -> our names; anything unmapped keeps its name under ``<role>/``."""
     names = {**_POLICY_NAMES, **_CORRECTION_NAMES} if role == "policy" else _CRITIC_NAMES
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        if isinstance(value, int | float):
-            name = (
-                names.get(key)
-                or f"{'train' if role == 'policy' else role}/{key.removeprefix('loss_metrics/')}"
-            )
-            out[name] = float(value)
-    return out
+    prefix = "train" if role == "policy" else role
+    return {
+        names.get(key) or f"{prefix}/{key.removeprefix('loss_metrics/')}": float(value)
+        for key, value in metrics.items()
+        if isinstance(value, int | float)
+    }
 
 
 def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> dict[str, float]:
@@ -80,8 +77,7 @@ def logprob_gap_metrics(batch: Any, loss_fn_outputs: list[dict[str, Any]]) -> di
         return {}
     rollout_BT = batch["rollout_logprobs"][: len(rows)].float()
     gap_N = (rollout_BT - right_aligned(rows, width))[counted_BT]
-    sampled_N = rollout_BT[counted_BT]
-    entropy = -sampled_N.mean().item()
+    entropy = -rollout_BT[counted_BT].mean().item()
     return {
         "train/kl_sample_train_v1": gap_N.abs().mean().item(),
         "train/kl_sample_train_v2": 0.5 * gap_N.pow(2).mean().item(),

@@ -39,8 +39,6 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class TrainingModel:
-    """One registered model: its id, the worker role that trains it, and its base model path."""
-
     model_id: str
     role: str
     base_model: str
@@ -195,9 +193,11 @@ class ModelRegistry:
         _require_fields(batch, resolved)
         padded, n_real = self._padded(batch, model.role)
         if model.role == CRITIC:
-            self._set_critic_value_clip(
-                resolved.skyrl_config.get("value_clip", self._algorithm[CRITIC].value_clip)
-            )
+            # SkyRL's critic reads value_clip from worker state, not per call: push changes only.
+            value_clip = resolved.skyrl_config.get("value_clip", self._algorithm[CRITIC].value_clip)
+            if value_clip != self._critic_value_clip_on_workers:
+                self.workers.set_algorithm_config(CRITIC, value_clip=value_clip)
+                self._critic_value_clip_on_workers = value_clip
             out = self.workers.forward_backward(CRITIC, padded)
             metrics = {**out.metrics, "loss": float(out.metrics["critic_loss"])}
             return _tinker_output(out.loss_fn_output_type, [{} for _ in range(n_real)], metrics, padded)
@@ -260,12 +260,6 @@ class ModelRegistry:
         built = resolved.skyrl_loss_name == self._built_policy_loss
         return {} if built else {"loss_fn": resolved.skyrl_loss_name}
 
-    def _set_critic_value_clip(self, value_clip: float | None) -> None:
-        """SkyRL's critic reads ``value_clip`` from worker state, not per call: push changes only."""
-        if value_clip != self._critic_value_clip_on_workers:
-            self.workers.set_algorithm_config(CRITIC, value_clip=value_clip)
-            self._critic_value_clip_on_workers = value_clip
-
     def _padded(self, batch: TrainingInputBatch, role: str) -> tuple[TrainingInputBatch, int]:
         return pad_to_multiple(batch, self.workers.dp_size(role)), real_rows(batch)
 
@@ -280,19 +274,16 @@ class ModelRegistry:
         logprobs = [out.loss_fn_outputs[i]["logprobs"] for i in range(batch.batch_size)]
         metrics = dict(out.metrics)
         metrics["loss"] = float(metrics["final_loss"] if "final_loss" in metrics else metrics["loss"])
+        elementwise = None
         if resolved.loss_fn == "cross_entropy":
-            elementwise = [out.loss_fn_outputs[i]["elementwise_loss"] for i in range(batch.batch_size)]
-        elif not elementwise_loss:
-            elementwise = None
-        else:
+            elementwise = [out.loss_fn_outputs[i]["elementwise_loss"] for i in range(n_real)]
+        elif elementwise_loss:
             elementwise_BT = self._elementwise.per_token(resolved, batch, logprobs)
             elementwise = None if elementwise_BT is None else elementwise_BT.tolist()
-        rows = []
-        for i in range(n_real):
-            row = {"logprobs": logprobs[i]}
-            if elementwise is not None:
+        rows = [{"logprobs": logprobs[i]} for i in range(n_real)]
+        if elementwise is not None:
+            for i, row in enumerate(rows):
                 row["elementwise_loss"] = elementwise[i]
-            rows.append(row)
         return _tinker_output(out.loss_fn_output_type, rows, metrics, batch)
 
 

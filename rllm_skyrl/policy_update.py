@@ -20,18 +20,6 @@ from rllm_skyrl.batch_layout import real_rows, row_slice, select_rows
 from rllm_skyrl.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
 
 
-def minibatch_boundaries(num_rows: int, num_minibatches: int, dp_size: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges, one per optimizer step; each a multiple of the DP size but the last."""
-    count = min(num_minibatches, max(num_rows // dp_size, 1))
-    size = math.ceil(num_rows / count / dp_size) * dp_size
-    return [(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
-
-
-def row_roles(batch: Any) -> list[str]:
-    """Each row's trajectory role, from its group id ``"task:role"``."""
-    return [uid.rpartition(":")[2] for uid in batch.metadata["uids"]]
-
-
 class PolicyUpdate:
     """Trains the run's roles on one batch through ``models`` (a ``ModelRegistry``), in which it
     creates one model per trained role, named after the role."""
@@ -49,7 +37,11 @@ class PolicyUpdate:
             models.create_model(role, model_role=role)
 
     def boundaries(self, batch: Any) -> list[tuple[int, int]]:
-        return minibatch_boundaries(real_rows(batch), self.run.num_minibatches, self.dp_size)
+        """Contiguous row ranges, one per optimizer step; each a multiple of the DP size but the last."""
+        num_rows = real_rows(batch)
+        count = min(self.run.num_minibatches, max(num_rows // self.dp_size, 1))
+        size = math.ceil(num_rows / count / self.dp_size) * self.dp_size
+        return [(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
 
     def accumulate(self, batch: Any, boundaries: list[tuple[int, int]]) -> None:
         """forward_backward over every mini-batch and epoch; an optimizer step between consecutive ones."""
@@ -69,7 +61,7 @@ class PolicyUpdate:
                 self.optim_step()
 
     def _policy(self, batch: Any, start: int, end: int, first: bool) -> None:
-        roles = row_roles(batch)[start:end]
+        roles = [uid.rpartition(":")[2] for uid in batch.metadata["uids"][start:end]]  # "task:role"
         losses = {role: self.run.loss_for(role) for role in dict.fromkeys(roles)}
         if all(loss == losses[roles[0]] for loss in losses.values()):
             parts = [(None, losses[roles[0]], row_slice(batch, start, end, self.dp_size))]

@@ -42,18 +42,15 @@ async def sync_weights(
     return await asyncio.to_thread(_save_and_reload, workers, servers, Path(sync_dir), version)
 
 
-def adapter_client(urls: list[str]) -> Any:
-    """A control-plane client of the servers (no tokenizer, so it is cheap to ship to the workers)."""
-    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
-
-    return RemoteInferenceClient(
-        proxy_url=urls[0], server_urls=list(urls), data_parallel_size=1, uses_lora_weight_sync=True
-    )
-
-
 def _publish_adapter(workers: Any, urls: list[str], target: Path) -> int:
     """Blocking (Ray and HTTP): SkyRL's worker writes the adapter into ``target`` and the servers load it."""
-    workers.broadcast_to_inference_engines(adapter_client(urls))
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import RemoteInferenceClient
+
+    # A control-plane client of the servers: no tokenizer, so it is cheap to ship to the workers.
+    client = RemoteInferenceClient(
+        proxy_url=urls[0], server_urls=list(urls), data_parallel_size=1, uses_lora_weight_sync=True
+    )
+    workers.broadcast_to_inference_engines(client)
     return directory_bytes(target)
 
 

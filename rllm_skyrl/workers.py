@@ -87,14 +87,10 @@ class SkyRLWorkers:
 
     def _init_models(self, total_training_steps: int | None) -> None:
         """Load weights and build optimizers; SkyRL's schedulers count optimizer steps, not batches."""
-        trainer = self.cfg.trainer
         refs = []
         for role, group in self._groups.items():
-            model_cfg = getattr(trainer, role).model
-            if role == "ref":
-                refs.extend(group.async_init_model(model_cfg.path))
-            else:
-                refs.extend(group.async_init_model(model_cfg.path, num_training_steps=total_training_steps))
+            steps = {} if role == "ref" else {"num_training_steps": total_training_steps}
+            refs.extend(group.async_init_model(getattr(self.cfg.trainer, role).model.path, **steps))
         ray.get(refs)
 
     def use_tokenizer(self, tokenizer) -> None:
@@ -118,15 +114,12 @@ class SkyRLWorkers:
     def dp_size(self, role: str = "policy") -> int:
         return self.dispatch.dp_size(role)
 
-    def forward(self, role: str, batch, loss_fn: str | None = None, loss_fn_config: dict | None = None, **kw):
-        return self.dispatch.forward(role, batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw)
+    def forward(self, role: str, batch, **kwargs):
+        """``loss_fn``, ``loss_fn_config`` and the rest as ``WorkerDispatch.forward`` takes them."""
+        return self.dispatch.forward(role, batch, **kwargs)
 
-    def forward_backward(
-        self, role: str, batch, loss_fn: str | None = None, loss_fn_config: dict | None = None, **kw
-    ):
-        return self.dispatch.forward_backward(
-            role, batch, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw
-        )
+    def forward_backward(self, role: str, batch, **kwargs):
+        return self.dispatch.forward_backward(role, batch, **kwargs)
 
     def optim_step(self, role: str = "policy") -> float | None:
         return self.dispatch.optim_step(role)
@@ -159,13 +152,9 @@ class SkyRLWorkers:
     def save_checkpoint(self, role: str, ckpt_dir: str) -> None:
         self.dispatch.save_checkpoint(role, ckpt_dir, tokenizer=self.tokenizer)
 
-    def load_checkpoint(self, role: str, ckpt_dir: str, load_optimizer_states: bool = True) -> None:
-        self.dispatch.load_checkpoint(
-            role,
-            ckpt_dir,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_optimizer_states,
-        )
+    def load_checkpoint(self, role: str, ckpt_dir: str) -> None:
+        """Weights with optimizer and LR scheduler states."""
+        self.dispatch.load_checkpoint(role, ckpt_dir)
 
     def shutdown(self) -> None:
         """Kill every actor we started; the Ray runtime itself belongs to the launcher."""
