@@ -23,9 +23,7 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
     """Numeric entries as JSON-safe Python numbers; non-finite floats become None (valid JSON)."""
     out: dict[str, float | int | None] = {}
     for key, value in metrics.items():
-        if isinstance(value, bool | np.bool_):
-            out[key] = int(value)
-        elif isinstance(value, int | np.integer):
+        if isinstance(value, int | np.integer | np.bool_):  # bool is an int
             out[key] = int(value)
         elif isinstance(value, float | np.floating):
             out[key] = float(value) if math.isfinite(value) else None
