@@ -260,10 +260,8 @@ def usable(names: Iterable[str]) -> list[str]:
         raise ValueError(f"unknown patch set(s) {unknown}; known: {sorted(BY_NAME)}")
     wanted -= disabled()
     chosen = []
-    for patch_set in PATCH_SETS:
+    for patch_set in [p for p in PATCH_SETS if p.name in wanted]:
         name = patch_set.name
-        if name not in wanted:
-            continue
         versions = unverified(name)
         if versions:
             found = (
