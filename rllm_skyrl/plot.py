@@ -31,10 +31,8 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run's curves into ``out`` (default ``RUN_DIR/metrics.png``); returns the path.
-
-    Panels whose series never appear are left out.
-    """
+    """Draw the run's curves into ``out`` (default ``RUN_DIR/metrics.png``), leaving out panels
+    whose series never appear; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")

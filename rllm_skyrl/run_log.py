@@ -76,7 +76,6 @@ class MetricsSink:
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
         if self._resumed_step is not None:
-            resumed = self._resumed_step()
-            self.file.keep_through(resumed if resumed else -1)
+            self.file.keep_through(self._resumed_step() or -1)
             self._resumed_step = None
         self.file.append(step, data)

@@ -85,8 +85,7 @@ class SecretMasker(logging.Filter):
 
     def mask(self, text: str) -> str:
         for value in self._ordered:
-            if value in text:
-                text = text.replace(value, REDACTED)
+            text = text.replace(value, REDACTED)
         if "@" in text:
             text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}\g<at>", text)
         return text
