@@ -241,10 +241,6 @@ def unverified(name: str) -> list[str]:
     ]
 
 
-def disabled() -> set[str]:
-    return {name for name in os.environ.get(DISABLE_VAR, "").split(",") if name}
-
-
 def _warn_once(name: str, message: str) -> None:
     if name not in _warned:
         _warned.add(name)
@@ -258,7 +254,7 @@ def usable(names: Iterable[str]) -> list[str]:
     unknown = sorted(wanted - set(BY_NAME))
     if unknown:
         raise ValueError(f"unknown patch set(s) {unknown}; known: {sorted(BY_NAME)}")
-    wanted -= disabled()
+    wanted -= {name for name in os.environ.get(DISABLE_VAR, "").split(",") if name}
     chosen = []
     for patch_set in [p for p in PATCH_SETS if p.name in wanted]:
         name = patch_set.name
