@@ -48,17 +48,13 @@ class MissingDependencyError(ImportError):
     """An optional dependency is absent or broken; the message carries the command that fixes it."""
 
     def __init__(self, dependency: OptionalDependency, failure: ImportError | None = None) -> None:
-        if failure is None:
-            message = (
-                f"{dependency.purpose} needs {dependency.module!r}, which is not installed: "
-                f"{dependency.install}"
-            )
-        else:
-            message = (
-                f"{dependency.purpose} needs {dependency.module!r}, which is installed but failed to import "
-                f"({type(failure).__name__}: {failure}); reinstall it: {dependency.install}"
-            )
-        super().__init__(message, name=dependency.module)
+        state = "not installed"
+        if failure is not None:
+            state = f"installed but failed to import ({type(failure).__name__}: {failure}); reinstall it"
+        super().__init__(
+            f"{dependency.purpose} needs {dependency.module!r}, which is {state}: {dependency.install}",
+            name=dependency.module,
+        )
 
 
 def is_installed(name: str) -> bool:
@@ -73,10 +69,9 @@ def require(name: str, module: str | None = None) -> ModuleType:
     that is missing is then reported as a broken install of ``name``.
     """
     dependency = OPTIONAL[name]
-    target = module or dependency.module
     if not is_installed(name):
         raise MissingDependencyError(dependency)
     try:
-        return importlib.import_module(target)
+        return importlib.import_module(module or dependency.module)
     except ImportError as error:
         raise MissingDependencyError(dependency, error) from error

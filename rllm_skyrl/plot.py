@@ -31,10 +31,8 @@ def _moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw the run's curves into ``out`` (default ``RUN_DIR/metrics.png``); returns the path.
-
-    Panels whose series never appear are left out.
-    """
+    """Draw the run's curves into ``out`` (default ``RUN_DIR/metrics.png``), leaving out panels
+    whose series never appear; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,9 +42,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     records = read_metrics(run_dir)
     keys = {k for r in records for k, v in r.items() if v is not None}
-    kl = [k for k in KL_KEYS if k in keys and k != "train/kl"][:1] + (
-        ["train/kl"] if "train/kl" in keys else []
-    )
+    kl = [k for k in KL_KEYS if k in keys and k != "train/kl"][:1] + [k for k in ("train/kl",) if k in keys]
     panels: list[tuple[str, list[str]]] = [
         ("training reward", [k for k in ("reward/mean",) if k in keys]),
         ("validation pass@1", sorted(k for k in keys if k.startswith("val/") and k.endswith("/pass@1"))),
@@ -71,19 +67,17 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             steps, values = _series(records, key)
             long = len(steps) > 30
             marker = None if long else "o"
+            smoothed = long and key == "reward/mean"
             if key == "reward/mean":
                 std = _series(records, "reward/std")[1]
                 if len(std) == len(steps):
                     low = [v - s for v, s in zip(values, std, strict=True)]
                     high = [v + s for v, s in zip(values, std, strict=True)]
                     ax.fill_between(steps, low, high, alpha=0.15, label="± std")
-                ax.plot(steps, values, marker=marker, markersize=3, alpha=0.5 if long else 1, label=key)
-                if long:
-                    window = max(5, len(steps) // 20)
-                    smooth = _moving_average(values, window)
-                    ax.plot(steps, smooth, linewidth=2, label=f"mean of {window} steps")
-            else:
-                ax.plot(steps, values, marker=marker, markersize=3, label=key)
+            ax.plot(steps, values, marker=marker, markersize=3, alpha=0.5 if smoothed else 1, label=key)
+            if smoothed:
+                window = max(5, len(steps) // 20)
+                ax.plot(steps, _moving_average(values, window), linewidth=2, label=f"mean of {window} steps")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_xlim(-0.02 * max(last_step, 1), last_step * 1.02 + 0.1)

@@ -36,8 +36,7 @@ def runtime_env_for(
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         log_file = str(Path(log_dir).resolve() / f"infra-{datetime.now():%y%m%d_%H%M%S}.log")
-        os.environ["SKYRL_LOG_FILE"] = log_file
-        env_vars["SKYRL_LOG_FILE"] = log_file
+        os.environ["SKYRL_LOG_FILE"] = env_vars["SKYRL_LOG_FILE"] = log_file
     if cpu_threads and not platform.cuda:
         env_vars["OMP_NUM_THREADS"] = str(cpu_threads)
     platform_env = compat.ray_runtime_env(platform)

@@ -34,15 +34,13 @@ class SampledCall:
 class RolloutLedger:
     """Calls by rollout id (``application_id``), in the order they were made."""
 
-    def __init__(self, max_rollouts: int = MAX_ROLLOUTS) -> None:
-        self.max_rollouts = max_rollouts
+    def __init__(self) -> None:
         self._calls: OrderedDict[str, list[SampledCall]] = OrderedDict()
 
     def record(self, rollout_id: str | None, output: Any) -> None:
         if rollout_id is None or output.logprobs is None:
             return
-        calls = self._calls.setdefault(str(rollout_id), [])
-        calls.append(
+        self._calls.setdefault(str(rollout_id), []).append(
             SampledCall(
                 prompt_ids=tuple(output.prompt_ids),
                 completion_ids=tuple(output.completion_ids),
@@ -52,7 +50,7 @@ class RolloutLedger:
                 weight_version=int(output.weight_version or 0),
             )
         )
-        while len(self._calls) > self.max_rollouts:
+        while len(self._calls) > MAX_ROLLOUTS:
             self._calls.popitem(last=False)
 
     def calls(self, rollout_id: str) -> list[SampledCall]:
@@ -74,10 +72,6 @@ def _step_text(step: Any) -> str | None:
     return None
 
 
-def _has_tokens(step: Any) -> bool:
-    return bool(getattr(step, "response_ids", None))
-
-
 def _rollout_id(group: Any, index: int) -> str | None:
     metadata = list(getattr(group, "metadata", None) or [])
     meta = metadata[index] if index < len(metadata) and isinstance(metadata[index], dict) else {}
@@ -93,7 +87,7 @@ def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[i
     used_by_rollout: dict[str, set[int]] = {}
     for group in groups:
         for index, trajectory in enumerate(group.trajectories):
-            missing = [step for step in trajectory.steps or [] if not _has_tokens(step)]
+            missing = [step for step in trajectory.steps or [] if not getattr(step, "response_ids", None)]
             rollout_id = _rollout_id(group, index)
             if rollout_id is not None:
                 used = used_by_rollout.setdefault(rollout_id, set())

@@ -15,23 +15,9 @@ logger = logging.getLogger(__name__)
 
 # Per-call keyword arguments that become sampling params (vLLM names).
 SAMPLING_KEYS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "min_tokens",
-        "logprobs",
-        "ignore_eos",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    }
+    "temperature top_p top_k min_p seed stop stop_token_ids min_tokens logprobs ignore_eos"
+    " include_stop_str_in_output skip_special_tokens repetition_penalty presence_penalty"
+    " frequency_penalty".split()
 )
 # Keyword arguments rLLM workflows pass that are not sampling params; consumed or ignored here.
 WORKFLOW_KEYS = frozenset({"application_id", "session_id", "reasoning_effort"})
@@ -52,9 +38,8 @@ def request_params(
         elif key not in WORKFLOW_KEYS and key not in warned:
             warned.add(key)
             logger.warning("SkyRLEngine ignores the unknown keyword argument %r", key)
-    if params.get("n", 1) != 1:
+    if params.pop("n", 1) != 1:
         raise ValueError("n > 1 is not supported per call; run one rollout per sample instead")
-    params.pop("n", None)
     params["max_tokens"] = min(requested or max_response_length, max_response_length)
     return params
 

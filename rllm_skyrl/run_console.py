@@ -56,12 +56,7 @@ class ProgressBar:
             done = data.get("progress/done_frac")
             total = round(step / done) if done else None
             self._bar = tqdm(
-                total=total,
-                initial=step,
-                desc="training",
-                unit="step",
-                file=self._stream,
-                dynamic_ncols=True,
+                total=total, initial=step, desc="training", unit="step", file=self._stream, dynamic_ncols=True
             )
         self._bar.update(step - self._bar.n)
         self._bar.set_postfix(reward=f"{reward:.3f}")

@@ -23,9 +23,7 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float | int | None]:
     """Numeric entries as JSON-safe Python numbers; non-finite floats become None (valid JSON)."""
     out: dict[str, float | int | None] = {}
     for key, value in metrics.items():
-        if isinstance(value, bool | np.bool_):
-            out[key] = int(value)
-        elif isinstance(value, int | np.integer):
+        if isinstance(value, int | np.integer | np.bool_):  # bool is an int
             out[key] = int(value)
         elif isinstance(value, float | np.floating):
             out[key] = float(value) if math.isfinite(value) else None
@@ -78,7 +76,6 @@ class MetricsSink:
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
         if self._resumed_step is not None:
-            resumed = self._resumed_step()
-            self.file.keep_through(resumed if resumed else -1)
+            self.file.keep_through(self._resumed_step() or -1)
             self._resumed_step = None
         self.file.append(step, data)

@@ -85,8 +85,7 @@ class SecretMasker(logging.Filter):
 
     def mask(self, text: str) -> str:
         for value in self._ordered:
-            if value in text:
-                text = text.replace(value, REDACTED)
+            text = text.replace(value, REDACTED)
         if "@" in text:
             text = _URL_PASSWORD.sub(rf"\g<head>{REDACTED}\g<at>", text)
         return text
@@ -120,14 +119,9 @@ def scrub_hydra_outputs(masker: SecretMasker) -> None:
     paths = []
     if hydra_cfg.output_subdir:
         paths += (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml")
-    sweep_dir = (
-        hydra_cfg.sweep.dir if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN" else None
-    )
-    if sweep_dir:
-        paths.append(Path(sweep_dir) / "multirun.yaml")
-    for path in paths:
-        if not path.exists():
-            continue
+    if hydra_cfg.mode is not None and hydra_cfg.mode.name == "MULTIRUN" and hydra_cfg.sweep.dir:
+        paths.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
+    for path in filter(Path.exists, paths):
         text = path.read_text()
         lines = [_redact_yaml_line(line) for line in masker.mask(text).splitlines(keepends=True)]
         if "".join(lines) != text:

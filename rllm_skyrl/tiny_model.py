@@ -55,19 +55,15 @@ def default_cache_dir() -> Path:
 def _corpus() -> list[str]:
     lines = []
     for a in range(10):
-        lines.append(f"what is {a}?")
-        lines.append(f"{a}")
+        lines += [f"what is {a}?", f"{a}"]
         for b in range(10):
-            lines.append(f"what is {a} plus {b}? {(a + b) % 10}")
-            lines.append(f"{a} + {b} = {a + b}")
+            lines += [f"what is {a} plus {b}? {(a + b) % 10}", f"{a} + {b} = {a + b}"]
     words = (
         "the answer is a number . question solve think step final judge solver correct wrong "
         "yes no choose best option user assistant system you are helpful"
     )
-    lines.extend([words] * 5)
-    for role in ("system", "user", "assistant"):
-        lines.append(f"<|im_start|>{role}\nhello<|im_end|>\n")
-    return lines
+    lines += [words] * 5
+    return lines + [f"<|im_start|>{role}\nhello<|im_end|>\n" for role in ("system", "user", "assistant")]
 
 
 def _corpus_version() -> str:
@@ -90,10 +86,7 @@ def build_tokenizer(vocab_size: int):
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -109,16 +102,11 @@ def build_tiny_model(config: TinyModelConfig | None = None, cache_dir: str | Pat
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(config.vocab_size)
+    shape = {k: v for k, v in asdict(config).items() if k not in ("vocab_size", "seed")}
     hf_config = Qwen3Config(
+        **shape,
         vocab_size=len(tokenizer),
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
         head_dim=config.hidden_size // config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
-        max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=config.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -241,10 +241,6 @@ def unverified(name: str) -> list[str]:
     ]
 
 
-def disabled() -> set[str]:
-    return {name for name in os.environ.get(DISABLE_VAR, "").split(",") if name}
-
-
 def _warn_once(name: str, message: str) -> None:
     if name not in _warned:
         _warned.add(name)
@@ -258,12 +254,10 @@ def usable(names: Iterable[str]) -> list[str]:
     unknown = sorted(wanted - set(BY_NAME))
     if unknown:
         raise ValueError(f"unknown patch set(s) {unknown}; known: {sorted(BY_NAME)}")
-    wanted -= disabled()
+    wanted -= {name for name in os.environ.get(DISABLE_VAR, "").split(",") if name}
     chosen = []
-    for patch_set in PATCH_SETS:
+    for patch_set in [p for p in PATCH_SETS if p.name in wanted]:
         name = patch_set.name
-        if name not in wanted:
-            continue
         versions = unverified(name)
         if versions:
             found = (

@@ -148,12 +148,12 @@ def packed_window_logits(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     width: int,
-    pairs: float,
+    pairs: float | None,
 ) -> tuple[torch.Tensor, Any] | None:
     """``model``'s logits ``[B, width, V]`` of every row's last ``width`` positions and its output,
     computed on packed rows; None where packing does not apply. ``pairs``:
-    ``pairs_per_token(model)``, asked once per model by the caller."""
-    packed = pack(sequences, attention_mask, position_ids, width, pairs)
+    ``pairs_per_token(model)``, asked once per model by the caller (None: rows are not packed)."""
+    packed = None if pairs is None else pack(sequences, attention_mask, position_ids, width, pairs)
     if packed is None:
         return None
     device = sequences.device

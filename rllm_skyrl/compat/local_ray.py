@@ -187,8 +187,7 @@ def stop(local: LocalRay | None = None) -> None:
 
 
 def start_head(init_args: dict[str, Any]):
-    """Ray's head ``Node`` as ``ray.init(**init_args)`` starts it, without the dashboard head, the
-    autoscaler monitor and the log monitor, and with a minimal dashboard agent.
+    """Ray's head ``Node`` as ``ray.init(**init_args)`` starts it, minus the daemons listed above.
 
     The dashboard head has no setting, so this node's ``start_api_server`` starts nothing; the
     agent's minimal mode is Ray's choice where its dashboard dependencies are missing, made here on

@@ -19,7 +19,6 @@ import functools
 import importlib
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 from rllm_skyrl.compat.patch import Patch
@@ -91,19 +90,6 @@ class KeyValueRegistry:
             self._unregister(name)
 
 
-@contextmanager
-def _registrations_kept_local():
-    """``ray.is_initialized()`` answers False meanwhile: what SkyRL registers stays in-process."""
-    import ray
-
-    is_initialized = ray.is_initialized
-    ray.is_initialized = lambda: False
-    try:
-        yield
-    finally:
-        ray.is_initialized = is_initialized
-
-
 def _store(cls) -> KeyValueRegistry:
     """Replaces ``_get_or_create_actor``: this registry's store; a new Ray session syncs anew."""
     import ray
@@ -137,10 +123,16 @@ def _sync_with_store(cls) -> None:
 
 def _registries_in_the_key_value_store() -> None:
     if _PPO_UTILS not in sys.modules:
+        import ray
+
         for name in _PPO_UTILS_IMPORTS:
             importlib.import_module(name)
-        with _registrations_kept_local():
+        is_initialized = ray.is_initialized
+        ray.is_initialized = lambda: False  # meanwhile: what SkyRL registers stays in-process
+        try:
             importlib.import_module(_PPO_UTILS)
+        finally:
+            ray.is_initialized = is_initialized
     registry = sys.modules[_PPO_UTILS].BaseFunctionRegistry
     if getattr(registry.sync_with_actor, "_rllm_skyrl_patched", False):
         return

@@ -42,11 +42,10 @@ def _base_model(wrapper: Any) -> Any:
 
 
 def _takes_logits_to_keep(wrapper: Any) -> bool:
-    cached = getattr(wrapper, "_rllm_skyrl_logits_to_keep", None)
-    if cached is None:
-        cached = "logits_to_keep" in inspect.signature(_base_model(wrapper).forward).parameters
-        wrapper._rllm_skyrl_logits_to_keep = cached
-    return cached
+    if not hasattr(wrapper, "_rllm_skyrl_logits_to_keep"):
+        forward = _base_model(wrapper).forward
+        wrapper._rllm_skyrl_logits_to_keep = "logits_to_keep" in inspect.signature(forward).parameters
+    return wrapper._rllm_skyrl_logits_to_keep
 
 
 def _pairs_per_token(wrapper: Any) -> float | None:
@@ -76,48 +75,6 @@ def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     rows = max(1, LOGSUMEXP_CHUNK // logits[0].numel())
     picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return picked - torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(rows)])
-
-
-def _window_forward(
-    wrapper: Any,
-    sequences: torch.Tensor,
-    num_actions: int,
-    attention_mask: torch.Tensor,
-    temperature: float,
-    return_output: bool,
-    compute_entropy: bool,
-    entropy_requires_grad: bool,
-):
-    width = int(num_actions) + 1  # the positions SkyRL's forward keeps; the last one predicts nothing
-    position_ids = attention_mask.long().cumsum(-1) - 1
-    position_ids.masked_fill_(attention_mask == 0, 1)
-    pairs = _pairs_per_token(wrapper)
-    packed = (
-        context_packing.packed_window_logits(
-            wrapper.model, sequences, attention_mask, position_ids, width, pairs
-        )
-        if pairs is not None
-        else None
-    )
-    if packed is not None:
-        logits_BKV, output = packed
-    else:
-        output = wrapper.model(
-            sequences, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=width
-        )
-        logits_BKV = output["logits"]
-    logits_BKV.div_(temperature)
-    labels_BK = torch.roll(sequences, shifts=-1, dims=1)[:, -width:]
-    action_log_probs = _label_logprobs(logits_BKV[:, :-1], labels_BK[:, :-1])
-    if compute_entropy:
-        entropy_BK = wrapper.chunked_entropy_from_logits_fn(
-            logits_BKV,
-            requires_grad=entropy_requires_grad,
-            attention_mask=attention_mask[:, -width:],
-            chunk_size=wrapper.logprobs_chunk_size,
-        )
-        output["entropy"] = F.pad(entropy_BK, (sequences.shape[1] - width, 0))
-    return (action_log_probs, output) if return_output else action_log_probs
 
 
 def _logits_for_the_response_only() -> None:
@@ -162,16 +119,31 @@ def _logits_for_the_response_only() -> None:
                 entropy_requires_grad=entropy_requires_grad,
                 **kwargs,
             )
-        return _window_forward(
-            self,
-            sequences,
-            num_actions,
-            attention_mask,
-            temperature,
-            return_output,
-            compute_entropy,
-            entropy_requires_grad,
+        width = int(num_actions) + 1  # the positions SkyRL's forward keeps; the last one predicts nothing
+        position_ids = attention_mask.long().cumsum(-1) - 1
+        position_ids.masked_fill_(attention_mask == 0, 1)
+        packed = context_packing.packed_window_logits(
+            self.model, sequences, attention_mask, position_ids, width, _pairs_per_token(self)
         )
+        if packed is not None:
+            logits_BKV, output = packed
+        else:
+            output = self.model(
+                sequences, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=width
+            )
+            logits_BKV = output["logits"]
+        logits_BKV.div_(temperature)
+        labels_BK = torch.roll(sequences, shifts=-1, dims=1)[:, -width:]
+        action_log_probs = _label_logprobs(logits_BKV[:, :-1], labels_BK[:, :-1])
+        if compute_entropy:
+            entropy_BK = self.chunked_entropy_from_logits_fn(
+                logits_BKV,
+                requires_grad=entropy_requires_grad,
+                attention_mask=attention_mask[:, -width:],
+                chunk_size=self.logprobs_chunk_size,
+            )
+            output["entropy"] = F.pad(entropy_BK, (sequences.shape[1] - width, 0))
+        return (action_log_probs, output) if return_output else action_log_probs
 
     forward._rllm_skyrl_patched = True
     HFModelWrapper.forward = forward
