@@ -82,10 +82,8 @@ class SkyRLBackend:
 
         The one write into the trainer's config: rLLM's trainer reads its own ``rllm.*`` keys after
         this hook (batch sizes for its data loaders, ``rllm.algorithm`` for its advantages), so an
-        alias of one of them (tinker's ``data.train_batch_size``) is copied onto it here, as rLLM's
-        own launchers sync ``data.*`` into ``rllm.data.*``. The run resolves the same either way;
-        the launchers of this package hand the trainer ``run_config.with_aliases(cfg)``, for which
-        there is nothing left to copy.
+        alias of one (tinker's ``data.train_batch_size``) is copied onto it, as rLLM's launchers sync
+        ``data.*`` into ``rllm.data.*``. This package's launchers pass ``with_aliases(cfg)`` already.
         """
         self.run = resolve_run_config(self.config)
         for key, value in trainer_keys_behind(self.config).items():  # force_add: struct configs too

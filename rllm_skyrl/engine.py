@@ -89,8 +89,6 @@ class SkyRLEngine:
         model: str | None = None,
         data_clients: list[Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        sleep_level: int = 1,
-        request_seed: int | None = None,
         disable_thinking: bool = False,
         render_with_parser: bool = False,
     ):
@@ -109,7 +107,6 @@ class SkyRLEngine:
         }
         self.disable_thinking = disable_thinking
         self.render_with_parser = render_with_parser
-        self.sleep_level = sleep_level
         self.is_validation = False
         self.weight_version = 0
         self.ledger = RolloutLedger()
@@ -118,7 +115,7 @@ class SkyRLEngine:
         self._chat_parser: Any = None
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
-        self.request_seed = request_seed
+        self.request_seed: int | None = None
         self.seeds = RequestSeeds()
 
     @classmethod
@@ -326,7 +323,7 @@ class SkyRLEngine:
             await client.teardown()
 
     async def sleep(self) -> None:
-        await self.client.sleep(level=self.sleep_level)
+        await self.client.sleep(level=1)
 
 
 def _split_reasoning(text: str) -> tuple[str, str]:
