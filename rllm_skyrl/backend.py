@@ -26,7 +26,7 @@ import weakref
 from contextlib import nullcontext
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import advantages as adv
 from rllm_skyrl import rllm_api
@@ -61,8 +61,7 @@ class SkyRLBackend:
             backend.shutdown()
 
     def __init__(self, config: DictConfig, **_: Any) -> None:
-        """``config`` is the trainer's whole config; other keyword arguments (rLLM's
-        ``backend_args``) are accepted and not used."""
+        """``config`` is the trainer's whole config; rLLM's ``backend_args`` are accepted, not used."""
         self.config = config
         self.run: RunConfig | None = None
         self.runtime: Runtime | None = None
@@ -83,16 +82,12 @@ class SkyRLBackend:
 
         The one write into the trainer's config: rLLM's trainer reads its own ``rllm.*`` keys after
         this hook (batch sizes for its data loaders, ``rllm.algorithm`` for its advantages), so an
-        alias of one of them (tinker's ``data.train_batch_size``) is copied onto it here, as rLLM's
-        own launchers sync ``data.*`` into ``rllm.data.*``. The run resolves the same either way;
-        the launchers of this package hand the trainer ``run_config.with_aliases(cfg)``, for which
-        there is nothing left to copy.
+        alias of one (tinker's ``data.train_batch_size``) is copied onto it, as rLLM's launchers sync
+        ``data.*`` into ``rllm.data.*``. This package's launchers pass ``with_aliases(cfg)`` already.
         """
         self.run = resolve_run_config(self.config)
-        behind = trainer_keys_behind(self.config)
-        with open_dict(self.config):
-            for key, value in behind.items():
-                OmegaConf.update(self.config, key, value, merge=False, force_add=True)
+        for key, value in trainer_keys_behind(self.config).items():  # force_add: struct configs too
+            OmegaConf.update(self.config, key, value, merge=False, force_add=True)
 
     def init_rollout_engine(self, **kwargs: Any):
         """Start the run (``Runtime.start``: checkpoint directory, Ray, servers, workers); return the
@@ -324,8 +319,7 @@ class SkyRLBackend:
         self.rollout_engine.weight_version = version
 
     def shutdown(self) -> None:
-        """Stop servers, workers and Ray (if this run started it), release the checkpoint directory;
-        safe to call twice."""
+        """Stop what ``Runtime.start`` started, release the checkpoint directory; safe to call twice."""
         runtime, self.runtime = self.runtime, None
         SkyRLBackend._running.discard(self)
         if runtime is not None:

@@ -89,8 +89,6 @@ class SkyRLEngine:
         model: str | None = None,
         data_clients: list[Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        sleep_level: int = 1,
-        request_seed: int | None = None,
         disable_thinking: bool = False,
         render_with_parser: bool = False,
     ):
@@ -109,7 +107,6 @@ class SkyRLEngine:
         }
         self.disable_thinking = disable_thinking
         self.render_with_parser = render_with_parser
-        self.sleep_level = sleep_level
         self.is_validation = False
         self.weight_version = 0
         self.ledger = RolloutLedger()
@@ -118,7 +115,7 @@ class SkyRLEngine:
         self._chat_parser: Any = None
         self._round_robin = itertools.cycle(range(len(self.data_clients)))
         self._warned_keys: set[str] = set()
-        self.request_seed = request_seed
+        self.request_seed: int | None = None
         self.seeds = RequestSeeds()
 
     @classmethod
@@ -193,11 +190,10 @@ class SkyRLEngine:
         tools = kwargs.pop("tools", None)
         accumulate_reasoning = bool(kwargs.pop("accumulate_reasoning", False))
         prompt_ids = self.render(messages, tools=tools, accumulate_reasoning=accumulate_reasoning)
-        rollout_id = kwargs.get("application_id")
         token_output = await self.get_token_output_from_token_input(prompt_ids, **kwargs)
         output = self.assemble_model_output(prompt_ids, token_output)
         output.weight_version = weight_version
-        self.ledger.record(rollout_id, output)
+        self.ledger.record(kwargs.get("application_id"), output)
         return output
 
     def render(
@@ -250,8 +246,8 @@ class SkyRLEngine:
         enforce = kwargs.pop("enforce_max_prompt_length", True)
         flags = (kwargs.pop("validate", False), kwargs.pop("is_validation", False))
         validate = self.is_validation or any(flags)
-        session_id, application_id = kwargs.pop("session_id", None), kwargs.pop("application_id", None)
-        session_id = session_id or application_id
+        application_id = kwargs.pop("application_id", None)
+        session_id = kwargs.pop("session_id", None) or application_id
         prompt = list(token_input)
         if enforce and len(prompt) > self.max_prompt_length:
             raise rllm_api.termination_event(MAX_PROMPT_LENGTH_EXCEEDED)
@@ -284,11 +280,8 @@ class SkyRLEngine:
                     },
                     model=self.model,
                 )
-                new_tokens, new_logprobs, reason = (
-                    out["response_ids"][0],
-                    out["response_logprobs"][0] if out["response_logprobs"] else None,
-                    out["stop_reasons"][0],
-                )
+                new_tokens, reason = out["response_ids"][0], out["stop_reasons"][0]
+                new_logprobs = out["response_logprobs"][0] if out["response_logprobs"] else None
             tokens.extend(new_tokens)
             if logprobs is not None:
                 logprobs.extend(new_logprobs or [])
@@ -330,7 +323,7 @@ class SkyRLEngine:
             await client.teardown()
 
     async def sleep(self) -> None:
-        await self.client.sleep(level=self.sleep_level)
+        await self.client.sleep(level=1)
 
 
 def _split_reasoning(text: str) -> tuple[str, str]:

@@ -126,8 +126,7 @@ def placement_summary(run) -> str:
         (role, getattr(placement, f"{role}_num_nodes"), getattr(placement, f"{role}_num_gpus_per_node"))
         for role in run.roles
     ]
-    lines = ["# placement"]
-    lines += [
+    lines = ["# placement"] + [
         f"{role}: {nodes} node(s) x {gpus} GPU(s) = {nodes * gpus} training GPU(s)"
         for role, nodes, gpus in roles
     ]
@@ -176,9 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser = commands.add_parser(
         "plan", help="print the resolved SkyRL config and placement; start nothing"
     )
-    plan_parser.add_argument(
-        "--config-dir", default=None, help="directory of the run config (default: packaged)"
-    )
+    plan_parser.add_argument("--config-dir", help="directory of the run config (default: packaged)")
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     args = parser.parse_args(argv)

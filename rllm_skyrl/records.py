@@ -178,8 +178,7 @@ class TrajectoryGroup:
 
     @property
     def group_role(self) -> str:
-        role = _split_id(self.group_id)[1]
-        return role or "all_groups"
+        return _split_id(self.group_id)[1] or "all_groups"
 
     @property
     def task_id(self) -> str:

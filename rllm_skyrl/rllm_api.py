@@ -73,9 +73,8 @@ def task_ids(batch: Sequence[Any], group_size: int) -> tuple[list[Any], list[str
     ids: list[str] = []
     for item in batch:
         item_id = item.get("id") if isinstance(item, dict) else getattr(item, "id", None)
-        task_id = str(item_id) if item_id else str(uuid.uuid4())
-        tasks.extend([item] * group_size)
-        ids.extend([task_id] * group_size)
+        tasks += [item] * group_size
+        ids += [str(item_id) if item_id else str(uuid.uuid4())] * group_size
     return tasks, ids
 
 

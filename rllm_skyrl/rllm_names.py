@@ -16,33 +16,23 @@ from typing import Any
 
 from rllm_skyrl import rllm_api
 
-# name: (rLLM's class, the stand-in)
+# name: (rLLM's module, the stand-in's module); the class is called ``name`` in both
 NAMES = {
-    "UnifiedTrainer": (
-        "rllm.trainer.unified_trainer.UnifiedTrainer",
-        "rllm_skyrl.standalone.driver.UnifiedTrainer",
-    ),
-    "Workflow": ("rllm.workflows.workflow.Workflow", "rllm_skyrl.standalone.workflow.Workflow"),
-    "SimpleWorkflow": (
-        "rllm.workflows.simple_workflow.SimpleWorkflow",
-        "rllm_skyrl.standalone.workflow.SimpleWorkflow",
-    ),
-    "TerminationEvent": ("rllm.workflows.workflow.TerminationEvent", "rllm_skyrl.records.TerminationEvent"),
-    "TerminationReason": (
-        "rllm.workflows.workflow.TerminationReason",
-        "rllm_skyrl.records.TerminationReason",
-    ),
-    "Episode": ("rllm.types.Episode", "rllm_skyrl.records.Episode"),
-    "Trajectory": ("rllm.types.Trajectory", "rllm_skyrl.records.Trajectory"),
-    "Step": ("rllm.types.Step", "rllm_skyrl.records.Step"),
-    "Action": ("rllm.types.Action", "rllm_skyrl.records.Action"),
-    "RewardOutput": ("rllm.rewards.reward_types.RewardOutput", "rllm_skyrl.records.RewardOutput"),
+    "UnifiedTrainer": ("rllm.trainer.unified_trainer", "rllm_skyrl.standalone.driver"),
+    "Workflow": ("rllm.workflows.workflow", "rllm_skyrl.standalone.workflow"),
+    "SimpleWorkflow": ("rllm.workflows.simple_workflow", "rllm_skyrl.standalone.workflow"),
+    "TerminationEvent": ("rllm.workflows.workflow", "rllm_skyrl.records"),
+    "TerminationReason": ("rllm.workflows.workflow", "rllm_skyrl.records"),
+    "Episode": ("rllm.types", "rllm_skyrl.records"),
+    "Trajectory": ("rllm.types", "rllm_skyrl.records"),
+    "Step": ("rllm.types", "rllm_skyrl.records"),
+    "Action": ("rllm.types", "rllm_skyrl.records"),
+    "RewardOutput": ("rllm.rewards.reward_types", "rllm_skyrl.records"),
 }
-_NAME_OF_RLLM_PATH = {rllm_path: name for name, (rllm_path, _) in NAMES.items()}
+_NAME_OF_RLLM_PATH = {f"{rllm_module}.{name}": name for name, (rllm_module, _) in NAMES.items()}
 
 
-def _load(path: str) -> Any:
-    module, _, name = path.rpartition(".")
+def _load(module: str, name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
@@ -51,14 +41,16 @@ def resolve(target: str | type) -> Any:
     stand-in when rLLM is not installed."""
     if not isinstance(target, str):
         return target
-    if target in _NAME_OF_RLLM_PATH and not rllm_api.installed():
-        return _load(NAMES[_NAME_OF_RLLM_PATH[target]][1])
-    return _load(target)
+    name = _NAME_OF_RLLM_PATH.get(target)
+    if name is not None and not rllm_api.installed():
+        return _load(NAMES[name][1], name)
+    module, _, name = target.rpartition(".")
+    return _load(module, name)
 
 
 def __getattr__(name: str) -> Any:
     if name not in NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = _load(NAMES[name][0 if rllm_api.installed() else 1])
+    value = _load(NAMES[name][0 if rllm_api.installed() else 1], name)
     globals()[name] = value
     return value

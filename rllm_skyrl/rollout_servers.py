@@ -85,11 +85,10 @@ class ServerGroup:
     def check_alive(self) -> None:
         """Raise when a server we started has died: rollouts would otherwise fail one by one and the
         run would train on nothing."""
-        for index, process in enumerate(self.processes):
+        for index, (process, log) in enumerate(zip(self.processes, self.log_files, strict=True)):
             code = process.poll()
             if code is not None:
-                log = self.log_files[index] if index < len(self.log_files) else None
-                tail = log.read_text(errors="replace")[-1500:] if log is not None and log.exists() else ""
+                tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
                 raise RuntimeError(
                     f"inference server {index} (pid {process.pid}) exited with code {code}; "
                     f"log {log}:\n{tail}"
@@ -187,30 +186,10 @@ def _wait_healthy(process: subprocess.Popen, log_file: Path, timeout: float) -> 
     raise TimeoutError(f"inference server did not become healthy within {timeout:.0f} s; see {log_file}")
 
 
-def start_cpu_servers(
-    model_dir: str,
-    num_servers: int,
-    log_dir: str | Path,
-    *,
-    weights_root: str | Path | None = None,
-    max_model_len: int | None = None,
-    max_batch_size: int = 256,
-    seed: int = 0,
-    threads: int = 1,
-    timeout: float = 120.0,
-) -> ServerGroup:
-    """Start ``num_servers`` transformers servers on free loopback ports and wait until they serve."""
-    group = launch_cpu_servers(
-        model_dir,
-        num_servers,
-        log_dir,
-        weights_root=weights_root,
-        max_model_len=max_model_len,
-        max_batch_size=max_batch_size,
-        seed=seed,
-        threads=threads,
-    )
-    group.wait_ready(timeout)
+def start_cpu_servers(model_dir: str, num_servers: int, log_dir: str | Path, **options: Any) -> ServerGroup:
+    """``launch_cpu_servers`` (same options), then wait until every server serves."""
+    group = launch_cpu_servers(model_dir, num_servers, log_dir, **options)
+    group.wait_ready()
     return group
 
 
@@ -237,35 +216,22 @@ def launch_cpu_servers(
     output_masking.mask([token])
     owns_root = weights_root is None
     root = Path(tempfile.mkdtemp(prefix="rllm-skyrl-weights-")) if owns_root else Path(weights_root)
-    group = ServerGroup(urls=[], token=token, weights_root=root, owns_weights_root=owns_root)
-    group.model_dir = model_dir
+    group = ServerGroup(
+        urls=[], token=token, weights_root=root, owns_weights_root=owns_root, model_dir=model_dir
+    )
     env = server_environment(os.environ, token)
+    command = [sys.executable, "-m", "rllm_skyrl.inference", "--model", model_dir, "--port", "0"]
+    command += ["--weights-root", str(root), "--max-batch-size", str(max_batch_size)]
+    command += ["--threads", str(threads), "--parent-pid", str(os.getpid())]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
     try:
         for index in range(num_servers):
             log_file = log_dir / f"server{index}.log"
-            command = [
-                sys.executable,
-                "-m",
-                "rllm_skyrl.inference",
-                "--model",
-                model_dir,
-                "--port",
-                "0",
-                "--weights-root",
-                str(root),
-                "--max-batch-size",
-                str(max_batch_size),
-                "--seed",
-                str(seed + index),
-                "--threads",
-                str(threads),
-                "--parent-pid",
-                str(os.getpid()),
-            ]
-            if max_model_len:
-                command += ["--max-model-len", str(max_model_len)]
             with open(log_file, "w") as log:
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+                process = subprocess.Popen(
+                    [*command, "--seed", str(seed + index)], stdout=log, stderr=subprocess.STDOUT, env=env
+                )
             group.processes.append(process)
             group.log_files.append(log_file)
     except BaseException:

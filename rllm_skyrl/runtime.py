@@ -146,10 +146,8 @@ class Runtime:
             self.startup_seconds[name] = time.perf_counter() - start
 
     async def sync_weights(self, version: int) -> int | None:
-        """Make every server sample from the workers' current policy, labelled ``version``.
-
-        Returns the bytes the servers read (None when SkyRL moves the weights in memory).
-        """
+        """Make every server sample from the workers' current policy, labelled ``version``; returns
+        the bytes the servers read (None when SkyRL moves the weights in memory)."""
         return await weight_sync.sync_weights(
             self.weight_sync_method,
             self.workers,
@@ -160,11 +158,8 @@ class Runtime:
         )
 
     def shutdown(self) -> None:
-        """Stop servers, workers, the shared placement group, Ray if we started it, and release the
-        checkpoint directory; every part even if one fails.
-
-        Safe to call twice. The first failure is re-raised once everything was tried.
-        """
+        """Stop servers, workers, the shared placement group, Ray if ours, and release the checkpoint
+        directory; every part even if one fails, then re-raise the first failure. Safe to call twice."""
         errors: list[BaseException] = []
         for stop in (
             self._stop_servers,

@@ -9,10 +9,4 @@ from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader
 from rllm_skyrl.standalone.driver import UnifiedTrainer
 from rllm_skyrl.standalone.workflow import SimpleWorkflow, Workflow, WorkflowEngine
 
-__all__ = [
-    "SimpleWorkflow",
-    "StatefulTaskDataLoader",
-    "UnifiedTrainer",
-    "Workflow",
-    "WorkflowEngine",
-]
+__all__ = ["SimpleWorkflow", "StatefulTaskDataLoader", "UnifiedTrainer", "Workflow", "WorkflowEngine"]

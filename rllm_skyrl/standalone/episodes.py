@@ -67,10 +67,9 @@ def episode_metrics(episodes: Sequence[Any]) -> dict[str, float]:
     """``batch/<workflow metric>`` means and ``batch/termination_reason/<reason>`` fractions."""
     metrics = {f"batch/{key}": value for key, value in _numeric_means(episodes).items()}
     reasons = [termination_value(episode.termination_reason) for episode in episodes]
+    total = max(len(reasons), 1)
     for reason in TerminationReason:
-        metrics[f"batch/termination_reason/{reason.value}"] = reasons.count(reason.value) / max(
-            len(reasons), 1
-        )
+        metrics[f"batch/termination_reason/{reason.value}"] = reasons.count(reason.value) / total
     return metrics
 
 

@@ -10,22 +10,16 @@ so rLLM's own workflow classes run here too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import traceback
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rllm_skyrl.records import (
-    Action,
-    Episode,
-    Step,
-    TerminationReason,
-    Trajectory,
-    termination_value,
-)
+from rllm_skyrl.records import Action, Episode, Step, TerminationReason, Trajectory, termination_value
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +138,8 @@ class WorkflowEngine:
     ) -> list[Episode]:
         """One episode per task, in input order; ``kwargs`` reach each workflow's ``run``."""
         self.rollout_engine.is_validation = is_validation
-        seen: dict[str, int] = defaultdict(int)
-        uids = []
-        for task_id in task_ids:
-            uids.append(f"{task_id}:{seen[task_id]}")
-            seen[task_id] += 1
+        rollout_index: dict[str, Iterator[int]] = defaultdict(itertools.count)  # per task id: 0, 1, ...
+        uids = [f"{task_id}:{next(rollout_index[task_id])}" for task_id in task_ids]
         limit = asyncio.Semaphore(self.n_parallel_tasks)
         rollouts = (self._rollout(limit, task, uid, kwargs) for task, uid in zip(tasks, uids, strict=True))
         return list(await asyncio.gather(*rollouts))
