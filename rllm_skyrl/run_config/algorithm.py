@@ -43,10 +43,6 @@ def default_policy_loss(estimator: str) -> str:
     return _LOSS_BY_ESTIMATOR.get(estimator, "importance_sampling")
 
 
-def _policy_loss(estimator: str, named: str | None, loss_fn_config: Any) -> losses.ResolvedLoss:
-    return losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
-
-
 def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
     """The ``RunConfig`` fields of the algorithm section. Raises ``ValueError`` naming the key."""
     estimator = select(cfg, "rllm.algorithm.adv_estimator", "grpo")
@@ -98,9 +94,13 @@ def _losses(
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
     named = select(cfg, "rllm.algorithm.loss_fn")
     try:
-        policy_loss = _policy_loss(estimator, named, loss_fn_config)
+        policy_loss = losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
         role_losses = {
-            role: _policy_loss(role_estimator, loss_fn_map.get(role) or named, loss_fn_config)
+            role: losses.resolve_loss(
+                "policy",
+                loss_fn_map.get(role) or named or default_policy_loss(role_estimator),
+                loss_fn_config,
+            )
             for role, role_estimator in estimator_map.items()
         }
         critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
@@ -148,7 +148,6 @@ class OffPolicySettings:
 
 
 def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> OffPolicySettings:
-    """Whether (and how) the run corrects for off-policy rollouts."""
     trainer = skyrl_cfg.trainer
     setting = _correction_setting(cfg, trainer.algorithm.off_policy_correction)
     minibatches = trainer.train_batch_size // trainer.policy_mini_batch_size
@@ -176,10 +175,7 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
         return f"rllm.algorithm.rollout_correction.tis_mode={tis_mode!r}"
     switches = ["tis_ratio_type", "sequence_mask_metric"]
     switches += ["outlier_token_is_threshold_low", "outlier_token_is_threshold_high"]
-    if (
-        correction.token_mask_is_threshold_low is not None
-        and correction.token_mask_is_threshold_high is not None
-    ):
+    if correction.token_mask_is_threshold_high is not None:  # token masking is on with both thresholds
         switches.append("token_mask_is_threshold_low")
     for name in switches:
         value = getattr(correction, name)

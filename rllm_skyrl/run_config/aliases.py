@@ -67,6 +67,10 @@ class Refused:
 
 TINKER, VERL, BOTH = "tinker", "verl", "tinker, verl"
 LEGACY = "tinker (rLLM's older tinker_rl_trainer.yaml)"
+_INFERENCE_PLACEMENT = (
+    "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
+    "inference.num_engines (CPU)"
+)
 
 KEYS: tuple[Alias | Refused, ...] = (
     # --- rLLM's tinker.yaml --------------------------------------------------------------------------
@@ -220,18 +224,8 @@ KEYS: tuple[Alias | Refused, ...] = (
     Alias("trainer.resume_mode", "training.resume_mode", VERL),
     Alias("trainer.max_actor_ckpt_to_keep", "training.max_ckpts_to_keep", VERL),
     Refused("trainer.critic_warmup", VERL, "the critic and the policy train from the first step"),
-    Refused(
-        "rollout.nnodes",
-        VERL,
-        "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
-        "inference.num_engines (CPU)",
-    ),
-    Refused(
-        "rollout.n_gpus_per_node",
-        VERL,
-        "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
-        "inference.num_engines (CPU)",
-    ),
+    Refused("rollout.nnodes", VERL, _INFERENCE_PLACEMENT),
+    Refused("rollout.n_gpus_per_node", VERL, _INFERENCE_PLACEMENT),
 )
 
 

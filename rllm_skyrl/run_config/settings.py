@@ -109,17 +109,15 @@ class RunConfig:
         named = self.extra.get("loss_fn")
         role_losses = dict(self.role_losses)
         for role in set(estimator_map) | set(loss_fn_map):
-            name = (
-                loss_fn_map.get(role) or named or default_policy_loss(estimator_map.get(role, self.estimator))
-            )
+            estimator = estimator_map.get(role, self.estimator)
+            name = loss_fn_map.get(role) or named or default_policy_loss(estimator)
             try:
                 resolved = losses.resolve_loss("policy", name, self.loss_fn_config)
             except ValueError as error:
                 raise ConfigError(f"loss for trajectory role {role!r} ({name!r}): {error}") from error
+            who = f"the loss of trajectory role {role!r} ({name!r})"
             try:
-                role_losses[role] = self.off_policy.loss(
-                    resolved, f"the loss of trajectory role {role!r} ({name!r})"
-                )
+                role_losses[role] = self.off_policy.loss(resolved, who)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         return dataclasses.replace(
