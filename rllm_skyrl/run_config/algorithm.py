@@ -43,6 +43,10 @@ def default_policy_loss(estimator: str) -> str:
     return _LOSS_BY_ESTIMATOR.get(estimator, "importance_sampling")
 
 
+def _policy_loss(estimator: str, named: str | None, loss_fn_config: Any) -> losses.ResolvedLoss:
+    return losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
+
+
 def resolve_algorithm(cfg: DictConfig) -> dict[str, Any]:
     """The ``RunConfig`` fields of the algorithm section. Raises ``ValueError`` naming the key."""
     estimator = select(cfg, "rllm.algorithm.adv_estimator", "grpo")
@@ -89,18 +93,13 @@ def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
 def _losses(
     cfg: DictConfig, estimator: str, estimator_map: dict[str, str], loss_fn_map: dict[str, str]
 ) -> dict[str, Any]:
-    """The policy loss (per role, for the roles with their own estimator), the critic's, the reduction."""
     loss_fn_config = select(cfg, "training.loss_fn_config")
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
     named = select(cfg, "rllm.algorithm.loss_fn")
     try:
-        policy_loss = losses.resolve_loss("policy", named or default_policy_loss(estimator), loss_fn_config)
+        policy_loss = _policy_loss(estimator, named, loss_fn_config)
         role_losses = {
-            role: losses.resolve_loss(
-                "policy",
-                loss_fn_map.get(role) or named or default_policy_loss(role_estimator),
-                loss_fn_config,
-            )
+            role: _policy_loss(role_estimator, loss_fn_map.get(role) or named, loss_fn_config)
             for role, role_estimator in estimator_map.items()
         }
         critic_loss = losses.resolve_loss("critic", "ppo_critic", critic_loss_fn_config)
@@ -118,7 +117,8 @@ def _losses(
         "critic_loss": critic_loss,
         "role_losses": role_losses,
         "loss_reduction": reduction,
-        "extra": {"loss_fn": named, "loss_fn_config": loss_fn_config},
+        "loss_fn": named,
+        "loss_fn_config": loss_fn_config,
     }
 
 
@@ -187,7 +187,7 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
 def with_off_policy_correction(algorithm: dict[str, Any], cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
     """The algorithm section's losses checked against the off-policy correction (decoupled in bypass mode)."""
     settings = off_policy_settings(cfg, skyrl_cfg, algorithm["bypass_mode"])
-    named = algorithm["extra"]["loss_fn"]
+    named = algorithm["loss_fn"]
     policy_loss = algorithm["policy_loss"]
     who = (
         f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r}"
