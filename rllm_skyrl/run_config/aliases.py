@@ -31,11 +31,6 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _verl_total_steps(value: Any) -> Any:
-    """verl's ``trainer.total_training_steps`` is null for "run every epoch"; rLLM's is -1."""
-    return -1 if value is None else value
-
-
 @dataclass(frozen=True)
 class Alias:
     """``key`` (another backend's) means ``target`` (ours); ``convert`` maps its value."""
@@ -213,7 +208,7 @@ KEYS: tuple[Alias | Refused, ...] = (
     Alias("trainer.n_gpus_per_node", "skyrl.trainer.placement.policy_num_gpus_per_node", VERL),
     Alias("trainer.nnodes", "skyrl.trainer.placement.policy_num_nodes", VERL),
     Alias("trainer.total_epochs", "rllm.trainer.total_epochs", VERL),
-    Alias("trainer.total_training_steps", "rllm.trainer.total_batches", VERL, _verl_total_steps),
+    Alias("trainer.total_training_steps", "rllm.trainer.total_batches", VERL),
     Alias("trainer.save_freq", "rllm.trainer.save_freq", VERL),
     Alias("trainer.test_freq", "rllm.trainer.test_freq", VERL),
     Alias("trainer.val_before_train", "rllm.trainer.val_before_train", VERL),
