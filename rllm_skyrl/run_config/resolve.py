@@ -47,10 +47,7 @@ def resolve_run_config(
         check_values(cfg)
         algorithm = resolve_algorithm(cfg)
     overrides, model_path, lora = _skyrl_keys(cfg, platform, resolve_models)
-    try:
-        skyrl_cfg = make_skyrl_config(overrides, platform)
-    except (ValueError, KeyError, TypeError) as error:  # what SkyRL's own validation refuses
-        raise ConfigError(f"invalid SkyRL settings (skyrl.* or the keys bridged to them): {error}") from error
+    skyrl_cfg = _skyrl_config(overrides, platform)
     async_training, async_chunks = _async_training(cfg, skyrl_cfg)
     with _config_errors():
         algorithm = with_off_policy_correction(algorithm, cfg, skyrl_cfg)
@@ -67,11 +64,7 @@ def resolve_run_config(
         drop_malformed=bool(select(cfg, "training.drop_malformed", False)),
         inference=_inference(cfg, cores),
         checkpoint=_checkpoint(cfg, skyrl_cfg),
-        rollout=RolloutSettings(
-            disable_thinking=bool(select(cfg, "rllm.disable_thinking", False)),
-            render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),
-            reasoning_effort=select(cfg, "rollout_engine.reasoning_effort"),
-        ),
+        rollout=_rendering(cfg),
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
@@ -136,6 +129,14 @@ def _check_lora_sync_path(
         )
 
 
+def _skyrl_config(overrides: dict[str, Any], platform: Platform) -> Any:
+    """SkyRL's typed config; what SkyRL's own validation refuses is the user's to fix."""
+    try:
+        return make_skyrl_config(overrides, platform)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"invalid SkyRL settings (skyrl.* or the keys bridged to them): {error}") from error
+
+
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
     trainer = skyrl_cfg.trainer
     roles = ["policy"]
@@ -167,6 +168,14 @@ def _sampling(cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
 
 def _set_values(section: Mapping[str, Any] | None) -> dict[str, Any]:
     return {key: value for key, value in (section or {}).items() if value is not None}
+
+
+def _rendering(cfg: DictConfig) -> RolloutSettings:
+    return RolloutSettings(
+        disable_thinking=bool(select(cfg, "rllm.disable_thinking", False)),
+        render_with_parser=bool(select(cfg, "rollout_engine.bypass_render_with_parser", False)),
+        reasoning_effort=select(cfg, "rollout_engine.reasoning_effort"),
+    )
 
 
 def _checkpoint(cfg: DictConfig, skyrl_cfg: Any) -> CheckpointSettings:
