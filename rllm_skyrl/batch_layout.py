@@ -46,10 +46,6 @@ class RowSpec(NamedTuple):
     trained: Sequence[Span]
     reward: float = 0.0
 
-    @property
-    def response_length(self) -> int:
-        return len(self.tokens) - self.prompt_length
-
 
 def _trailing_ones(lengths: np.ndarray, width: int) -> np.ndarray:
     """``[B, width]`` int64 masks whose last ``lengths[i]`` entries of row ``i`` are 1.
@@ -103,20 +99,16 @@ def build_rows(
             if row_advantages is not None and span.advantages is not None:
                 row_advantages[begin:end] = span.advantages
     rewards[:, width - 1] = [row.reward for row in rows]
-    attention_mask = _trailing_ones(totals, max_total)
-    response_mask = _trailing_ones(response_lens, width)
-    out = {
-        "sequences": torch.from_numpy(sequences),
-        "attention_mask": torch.from_numpy(attention_mask),
-        "response_mask": torch.from_numpy(response_mask),
-        "loss_mask": torch.from_numpy(loss_mask),
-        "rewards": torch.from_numpy(rewards),
+    arrays = {
+        "sequences": sequences,
+        "attention_mask": _trailing_ones(totals, max_total),
+        "response_mask": _trailing_ones(response_lens, width),
+        "loss_mask": loss_mask,
+        "rewards": rewards,
+        "rollout_logprobs": logprobs_BT,
+        "advantages": advantages_BT,
     }
-    if logprobs_BT is not None:
-        out["rollout_logprobs"] = torch.from_numpy(logprobs_BT)
-    if advantages_BT is not None:
-        out["advantages"] = torch.from_numpy(advantages_BT)
-    return out
+    return {key: torch.from_numpy(array) for key, array in arrays.items() if array is not None}
 
 
 def right_aligned(rows: Sequence[Sequence[float]], width: int) -> torch.Tensor:

@@ -2,10 +2,8 @@
 
 Pure data processing: no Ray, no network, no files. Inputs are read by attribute, so rLLM's
 pydantic types and ``rllm_skyrl.records`` both work. Every field is checked and read once, a chunk
-of trajectories at a time (``trajectory_checks``, ``step_reads``), before any tensor is built.
-
-Multi-turn merging (``trajectory_rows``): a step whose prompt starts with everything the row holds
-so far continues that row, its extra prompt tokens being observations (``loss_mask`` 0).
+of trajectories at a time (``trajectory_checks``, ``step_reads``), and steps are merged into rows
+(``trajectory_rows``) before any tensor is built.
 
 ``action_log_probs`` (the loss's "old" policy) start as the sampler's logprobs, which is Tinker's
 convention; a backend that wants a proximal policy overwrites them with
@@ -204,13 +202,9 @@ def _sft_pair(label: str, example: Any, max_seq_len: int | None, vocab_size: int
         empty = "prompt_ids" if not n_prompt else "response_ids"
         raise MalformedTrajectoryError(label, None, empty, f"empty {empty}", "every example needs both parts")
     if max_seq_len is not None and len(tokens) > max_seq_len:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "sequence",
-            f"{len(tokens)} tokens, more than max_seq_len={max_seq_len}",
-            "truncate the example or raise max_seq_len",
-        )
+        problem = f"{len(tokens)} tokens, more than max_seq_len={max_seq_len}"
+        remedy = "truncate the example or raise max_seq_len"
+        raise MalformedTrajectoryError(label, None, "sequence", problem, remedy)
     return RowSpec(tokens, n_prompt, [Span(0, len(tokens) - n_prompt)])
 
 
@@ -240,14 +234,8 @@ def sft_examples_to_batch(
     loss_mask = fields["loss_mask"]
     if loss_reduction == "token_mean":
         loss_mask = loss_mask / loss_mask.sum().clamp(min=1.0)
-    batch = TrainingInputBatch(
-        {
-            "sequences": fields["sequences"],
-            "attention_mask": fields["attention_mask"],
-            "response_mask": fields["response_mask"],
-            "loss_mask": loss_mask,
-        }
-    )
+    kept = {key: fields[key] for key in ("sequences", "attention_mask", "response_mask")}
+    batch = TrainingInputBatch({**kept, "loss_mask": loss_mask})
     batch.metadata = {
         "uids": [f"sft:{i}" for i in range(len(rows))],
         "row_ids": [f"SFT example {i}" for i in range(len(rows))],

@@ -117,13 +117,9 @@ def check_group_id(group: Any, label: str) -> str:
     """The group's id, which becomes SkyRL's uid for each of its rows; ``label`` names the trajectory."""
     group_id = getattr(group, "group_id", None)
     if not isinstance(group_id, str) or not group_id:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "group_id",
-            f"the group's id is {show(group_id)}, not a non-empty string",
-            "name the group '<task_id>:<role>' (it identifies the rows that share a prompt)",
-        )
+        problem = f"the group's id is {show(group_id)}, not a non-empty string"
+        remedy = "name the group '<task_id>:<role>' (it identifies the rows that share a prompt)"
+        raise MalformedTrajectoryError(label, None, "group_id", problem, remedy)
     return group_id
 
 
@@ -132,23 +128,16 @@ def check_role(trajectory: Any, label: str, config: RowRules) -> None:
         return
     role = getattr(trajectory, "name", None)
     if not isinstance(role, str) or role not in config.allowed_roles:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "name",
-            f"unknown role {show(role)} (configured roles: {sorted(config.allowed_roles)})",
-            "name the trajectory after a configured role, or add its role to the config",
-        )
+        problem = f"unknown role {show(role)} (configured roles: {sorted(config.allowed_roles)})"
+        remedy = "name the trajectory after a configured role, or add its role to the config"
+        raise MalformedTrajectoryError(label, None, "name", problem, remedy)
 
 
 def trajectory_steps(trajectory: Any, label: str) -> list[Any] | tuple[Any, ...]:
     steps = getattr(trajectory, "steps", None)
-    if not isinstance(steps, list | tuple):
-        raise MalformedTrajectoryError(
-            label, None, "steps", f"is {show(steps)}, not a list of steps", "a trajectory needs a model call"
-        )
-    if not steps:
-        raise MalformedTrajectoryError(label, None, "steps", "no steps", "a trajectory needs a model call")
+    if not isinstance(steps, list | tuple) or not steps:
+        problem = "no steps" if isinstance(steps, list | tuple) else f"is {show(steps)}, not a list of steps"
+        raise MalformedTrajectoryError(label, None, "steps", problem, "a trajectory needs a model call")
     return steps
 
 
@@ -157,13 +146,9 @@ def outcome_reward(trajectory: Any, label: str, config: RowRules) -> float:
     after the steps are checked, so a broken last step is reported as itself, not a missing reward."""
     reward = _outcome_reward_source(trajectory)
     if reward is None and not config.use_precomputed_advantages:
-        raise MalformedTrajectoryError(
-            label,
-            None,
-            "reward",
-            "no reward on the trajectory or its last step",
-            "set Trajectory.reward (or the last step's reward)",
-        )
+        problem = "no reward on the trajectory or its last step"
+        remedy = "set Trajectory.reward (or the last step's reward)"
+        raise MalformedTrajectoryError(label, None, "reward", problem, remedy)
     remedy = "the reward function must return a finite number"
     return 0.0 if reward is None else real_scalar(label, None, "reward", reward, remedy)
 
@@ -175,13 +160,8 @@ def required(label: str, index: int, step: Any, name: str) -> Any:
     """A field every step must carry; an absent one is named rather than an AttributeError."""
     value = getattr(step, name, _MISSING)
     if value is _MISSING:
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            name,
-            f"the step ({type(step).__name__}) has no '{name}'",
-            "build steps as rLLM's Step",
-        )
+        problem = f"the step ({type(step).__name__}) has no '{name}'"
+        raise MalformedTrajectoryError(label, index, name, problem, "build steps as rLLM's Step")
     return value
 
 
@@ -191,20 +171,10 @@ def step_lineage(label: str, index: int, step: Any) -> Any:
     if metadata is None:
         return None
     if not isinstance(metadata, Mapping):
-        raise MalformedTrajectoryError(
-            label,
-            index,
-            "metadata",
-            f"is {show(metadata)}, not a dict",
-            "step metadata must be a dict or None",
-        )
+        remedy = "step metadata must be a dict or None"
+        raise MalformedTrajectoryError(label, index, "metadata", f"is {show(metadata)}, not a dict", remedy)
     lineage = metadata.get("lineage_id")
     if lineage is None or isinstance(lineage, str) or isinstance(lineage, Integral) and not is_bool(lineage):
         return lineage
-    raise MalformedTrajectoryError(
-        label,
-        index,
-        "metadata",
-        f"lineage_id is {show(lineage)}",
-        "a lineage_id names a sub-agent: a string or an integer",
-    )
+    remedy = "a lineage_id names a sub-agent: a string or an integer"
+    raise MalformedTrajectoryError(label, index, "metadata", f"lineage_id is {show(lineage)}", remedy)

@@ -123,9 +123,8 @@ def trajectory_rows(
     # A bad reward is the usual cause of a bad advantage, so it is named first; a missing one waits
     # for the steps, whose own problems (a step that is not a step) are then the cause.
     reward = outcome_reward(trajectory, label, config) if reward_given(trajectory) else None
-    scalar = None
-    if advantage is not NO_ADVANTAGE:
-        scalar = real_scalar(label, None, "advantage", advantage, "check the advantage estimator's inputs")
+    remedy = "check the advantage estimator's inputs"
+    scalar = None if advantage is NO_ADVANTAGE else real_scalar(label, None, "advantage", advantage, remedy)
     rows: list[Row] = []
     for lineage in _lineages(label, steps):
         row: Row | None = None
@@ -142,14 +141,12 @@ def trajectory_rows(
                 row = Row.begun_by(label, group_id, index, run, scalar)
                 rows.append(row)
             if config.max_seq_len is not None and row.length > config.max_seq_len:
-                raise MalformedTrajectoryError(
-                    label,
-                    index,
-                    "sequence",
+                problem = (
                     f"the row built from {row.step_span} has {row.length} tokens, "
-                    f"more than max_seq_len={config.max_seq_len}",
-                    "raise max_seq_len or cap the rollout's prompt and response lengths",
+                    f"more than max_seq_len={config.max_seq_len}"
                 )
+                remedy = "raise max_seq_len or cap the rollout's prompt and response lengths"
+                raise MalformedTrajectoryError(label, index, "sequence", problem, remedy)
     if reward is None:
         reward = outcome_reward(trajectory, label, config)
     for row in rows:

@@ -29,7 +29,6 @@ class MalformedTrajectoryError(ValueError):
     def __init__(self, label: str, step_index: int | None, field_name: str, problem: str, remedy: str):
         where = label if step_index is None else f"{label} step {step_index}"
         super().__init__(f"{where}, {field_name}: {problem}; {remedy}")
-        self.label = label
         self.step_index = step_index
         self.field_name = field_name
 

@@ -93,7 +93,6 @@ def _role_maps(raw: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
 def _losses(
     cfg: DictConfig, estimator: str, estimator_map: dict[str, str], loss_fn_map: dict[str, str]
 ) -> dict[str, Any]:
-    """The policy loss (per role, for the roles with their own estimator), the critic's, the reduction."""
     loss_fn_config = select(cfg, "training.loss_fn_config")
     critic_loss_fn_config = select(cfg, "training.critic_loss_fn_config")
     named = select(cfg, "rllm.algorithm.loss_fn")
@@ -118,7 +117,8 @@ def _losses(
         "critic_loss": critic_loss,
         "role_losses": role_losses,
         "loss_reduction": reduction,
-        "extra": {"loss_fn": named, "loss_fn_config": loss_fn_config},
+        "loss_fn": named,
+        "loss_fn_config": loss_fn_config,
     }
 
 
@@ -148,7 +148,6 @@ class OffPolicySettings:
 
 
 def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> OffPolicySettings:
-    """Whether (and how) the run corrects for off-policy rollouts."""
     trainer = skyrl_cfg.trainer
     setting = _correction_setting(cfg, trainer.algorithm.off_policy_correction)
     minibatches = trainer.train_batch_size // trainer.policy_mini_batch_size
@@ -176,10 +175,7 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
         return f"rllm.algorithm.rollout_correction.tis_mode={tis_mode!r}"
     switches = ["tis_ratio_type", "sequence_mask_metric"]
     switches += ["outlier_token_is_threshold_low", "outlier_token_is_threshold_high"]
-    if (
-        correction.token_mask_is_threshold_low is not None
-        and correction.token_mask_is_threshold_high is not None
-    ):
+    if correction.token_mask_is_threshold_high is not None:  # token masking is on with both thresholds
         switches.append("token_mask_is_threshold_low")
     for name in switches:
         value = getattr(correction, name)
@@ -191,7 +187,7 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
 def with_off_policy_correction(algorithm: dict[str, Any], cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
     """The algorithm section's losses checked against the off-policy correction (decoupled in bypass mode)."""
     settings = off_policy_settings(cfg, skyrl_cfg, algorithm["bypass_mode"])
-    named = algorithm["extra"]["loss_fn"]
+    named = algorithm["loss_fn"]
     policy_loss = algorithm["policy_loss"]
     who = (
         f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r}"

@@ -31,11 +31,6 @@ def _same(value: Any) -> Any:
     return value
 
 
-def _verl_total_steps(value: Any) -> Any:
-    """verl's ``trainer.total_training_steps`` is null for "run every epoch"; rLLM's is -1."""
-    return -1 if value is None else value
-
-
 @dataclass(frozen=True)
 class Alias:
     """``key`` (another backend's) means ``target`` (ours); ``convert`` maps its value."""
@@ -67,6 +62,10 @@ class Refused:
 
 TINKER, VERL, BOTH = "tinker", "verl", "tinker, verl"
 LEGACY = "tinker (rLLM's older tinker_rl_trainer.yaml)"
+_INFERENCE_PLACEMENT = (
+    "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
+    "inference.num_engines (CPU)"
+)
 
 KEYS: tuple[Alias | Refused, ...] = (
     # --- rLLM's tinker.yaml --------------------------------------------------------------------------
@@ -209,7 +208,7 @@ KEYS: tuple[Alias | Refused, ...] = (
     Alias("trainer.n_gpus_per_node", "skyrl.trainer.placement.policy_num_gpus_per_node", VERL),
     Alias("trainer.nnodes", "skyrl.trainer.placement.policy_num_nodes", VERL),
     Alias("trainer.total_epochs", "rllm.trainer.total_epochs", VERL),
-    Alias("trainer.total_training_steps", "rllm.trainer.total_batches", VERL, _verl_total_steps),
+    Alias("trainer.total_training_steps", "rllm.trainer.total_batches", VERL),
     Alias("trainer.save_freq", "rllm.trainer.save_freq", VERL),
     Alias("trainer.test_freq", "rllm.trainer.test_freq", VERL),
     Alias("trainer.val_before_train", "rllm.trainer.val_before_train", VERL),
@@ -220,18 +219,8 @@ KEYS: tuple[Alias | Refused, ...] = (
     Alias("trainer.resume_mode", "training.resume_mode", VERL),
     Alias("trainer.max_actor_ckpt_to_keep", "training.max_ckpts_to_keep", VERL),
     Refused("trainer.critic_warmup", VERL, "the critic and the policy train from the first step"),
-    Refused(
-        "rollout.nnodes",
-        VERL,
-        "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
-        "inference.num_engines (CPU)",
-    ),
-    Refused(
-        "rollout.n_gpus_per_node",
-        VERL,
-        "inference placement is SkyRL's: skyrl.generator.inference_engine.num_engines (GPU) or "
-        "inference.num_engines (CPU)",
-    ),
+    Refused("rollout.nnodes", VERL, _INFERENCE_PLACEMENT),
+    Refused("rollout.n_gpus_per_node", VERL, _INFERENCE_PLACEMENT),
 )
 
 

@@ -164,11 +164,7 @@ def _refuse_critic_and_ref_lora(overrides: dict[str, Any]) -> None:
 
 
 def _targets(
-    model_path: str,
-    explicit: str | tuple[str, ...] | None,
-    train_attn: bool,
-    train_mlp: bool,
-    inspect: bool,
+    model_path: str, explicit: str | tuple[str, ...] | None, train_attn: bool, train_mlp: bool, inspect: bool
 ) -> str | tuple[str, ...]:
     """The modules to adapt: ``explicit`` ones checked against the model, else the asked kinds."""
     if explicit is not None and not (train_attn and train_mlp):
@@ -208,19 +204,12 @@ def _targets(
 
 def _explicit_targets(cfg: Any, overrides: dict[str, Any]) -> str | tuple[str, ...] | None:
     """``model.lora_target_modules`` or SkyRL's own key; both set and different is an error."""
+    skyrl_key = "skyrl.trainer.policy.model.lora.target_modules"
     ours = _as_targets("model.lora_target_modules", select(cfg, "model.lora_target_modules"))
-    skyrl = _as_targets(
-        "skyrl.trainer.policy.model.lora.target_modules", overrides.get(_POLICY + "target_modules")
-    )
+    skyrl = _as_targets(skyrl_key, overrides.get(_POLICY + "target_modules"))
     if ours is not None and skyrl is not None and ours != skyrl:
-        raise ValueError(
-            disagreement(
-                {"model.lora_target_modules": _shown(ours)},
-                _shown(ours),
-                "skyrl.trainer.policy.model.lora.target_modules",
-                _shown(skyrl),
-            )
-        )
+        given = {"model.lora_target_modules": _shown(ours)}
+        raise ValueError(disagreement(given, _shown(ours), skyrl_key, _shown(skyrl)))
     return ours if ours is not None else skyrl
 
 

@@ -86,9 +86,6 @@ def _config_errors() -> Iterator[None]:
         raise ConfigError(str(error)) from error
 
 
-# ---------------------------------------------------------------------------- models and SkyRL's tree
-
-
 def _skyrl_keys(
     cfg: DictConfig, platform: Platform, resolve_models: bool
 ) -> tuple[dict[str, Any], str, LoraSettings]:
@@ -141,7 +138,6 @@ def _skyrl_config(overrides: dict[str, Any], platform: Platform) -> Any:
 
 
 def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
-    """The worker roles a SkyRL config asks for."""
     trainer = skyrl_cfg.trainer
     roles = ["policy"]
     if trainer.critic.model.path:
@@ -151,11 +147,7 @@ def roles_for(skyrl_cfg: Any) -> tuple[str, ...]:
     return tuple(roles)
 
 
-# ---------------------------------------------------------------------------- rollouts
-
-
 def _sampling(cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
-    """Rollouts per task, lengths, and the sampling parameters of training and validation rollouts."""
     sampled_at = select(cfg, "rllm.rollout.train.temperature", 1.0)
     scored_at = skyrl_cfg.trainer.algorithm.temperature
     if abs(scored_at - sampled_at) > 1e-9:
@@ -186,9 +178,6 @@ def _rendering(cfg: DictConfig) -> RolloutSettings:
     )
 
 
-# ---------------------------------------------------------------------------- checkpoints
-
-
 def _checkpoint(cfg: DictConfig, skyrl_cfg: Any) -> CheckpointSettings:
     """Where checkpoints go (SkyRL's ``ckpt_path``, which follows ``training.default_local_dir``)."""
     resume_mode = select(cfg, "training.resume_mode", "auto")
@@ -206,9 +195,6 @@ def _checkpoint(cfg: DictConfig, skyrl_cfg: Any) -> CheckpointSettings:
         resume_from_path=resume_from_path,
         max_to_keep=int(select(cfg, "training.max_ckpts_to_keep", -1)),
     )
-
-
-# ---------------------------------------------------------------------------- fully-async training
 
 
 def _async_training(cfg: DictConfig, skyrl_cfg: Any) -> tuple[bool, int]:
@@ -229,9 +215,6 @@ def _async_training(cfg: DictConfig, skyrl_cfg: Any) -> tuple[bool, int]:
             f"rllm.async_training.mini_batch_size={mini_batch}"
         )
     return True, mini_batch // chunk
-
-
-# ---------------------------------------------------------------------------- inference and threads
 
 
 def _inference(cfg: DictConfig, cores: int) -> InferenceSettings:

@@ -92,7 +92,8 @@ class RunConfig:
     cpu_threads: int = 1  # torch threads of each training worker on CPU
     warmup_steps_ratio: float = 0.0
     optimizer_steps: int | None = None  # known once the trainer says how many steps it runs
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    loss_fn: str | None = None  # rllm.algorithm.loss_fn as set (None: each estimator's default)
+    loss_fn_config: Mapping[str, Any] | None = None  # training.loss_fn_config
 
     def loss_for(self, role: str) -> losses.ResolvedLoss:
         """The policy loss rows of trajectory role ``role`` train with."""
@@ -106,20 +107,17 @@ class RunConfig:
             for role, value in (getattr(algorithm_config, "estimator_map", None) or {}).items()
         }
         loss_fn_map = dict(getattr(algorithm_config, "loss_fn_map", None) or {})
-        named = self.extra.get("loss_fn")
         role_losses = dict(self.role_losses)
         for role in set(estimator_map) | set(loss_fn_map):
-            name = (
-                loss_fn_map.get(role) or named or default_policy_loss(estimator_map.get(role, self.estimator))
-            )
+            estimator = estimator_map.get(role, self.estimator)
+            name = loss_fn_map.get(role) or self.loss_fn or default_policy_loss(estimator)
             try:
                 resolved = losses.resolve_loss("policy", name, self.loss_fn_config)
             except ValueError as error:
                 raise ConfigError(f"loss for trajectory role {role!r} ({name!r}): {error}") from error
+            who = f"the loss of trajectory role {role!r} ({name!r})"
             try:
-                role_losses[role] = self.off_policy.loss(
-                    resolved, f"the loss of trajectory role {role!r} ({name!r})"
-                )
+                role_losses[role] = self.off_policy.loss(resolved, who)
             except ValueError as error:
                 raise ConfigError(str(error)) from error
         return dataclasses.replace(
@@ -160,10 +158,6 @@ class RunConfig:
     @property
     def update_epochs(self) -> int:
         return int(self.skyrl.trainer.update_epochs_per_batch)
-
-    @property
-    def loss_fn_config(self) -> dict[str, Any]:
-        return dict(self.extra.get("loss_fn_config") or {})
 
     def for_total_steps(self, total_training_steps: int) -> RunConfig:
         """A copy that knows the run's optimizer steps, and the warmup when it is a ratio of them

@@ -7,10 +7,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 
-def select(cfg: DictConfig | None, key: str, default: Any = None) -> Any:
+def select(cfg: DictConfig, key: str, default: Any = None) -> Any:
     """``cfg[key]`` by dotted path as plain Python (containers resolved); ``default`` when absent."""
-    if cfg is None:
-        return default
     value = OmegaConf.select(cfg, key, default=default)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 

@@ -49,10 +49,6 @@ def non_negative(value: Any) -> bool:
     return _real(value) and value >= 0
 
 
-def unit_interval(value: Any) -> bool:
-    return _real(value) and 0 <= value <= 1
-
-
 def one_of(*choices: Any) -> Callable[[Any], bool]:
     return lambda value: value in choices
 
@@ -147,7 +143,7 @@ RULES: tuple[Rule, ...] = (
     Rule("rllm.algorithm.eps_clip", lambda v: _real(v) and 0 < v < 1, "a number in (0, 1)"),
     Rule("rllm.algorithm.eps_clip_high", positive, "a number > 0", nullable=True),
     Rule("rllm.algorithm.warmup_steps", _int, "an integer (<= 0: use warmup_steps_ratio)"),
-    Rule("rllm.algorithm.warmup_steps_ratio", unit_interval, "a number in [0, 1]"),
+    Rule("rllm.algorithm.warmup_steps_ratio", lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]"),
     Rule("rllm.algorithm.use_rllm", lambda v: v is True, _USE_RLLM, nullable=True),
     Rule("rllm.algorithm.router_replay", one_of("disabled"), _ROUTER_REPLAY),
     Rule("rllm.algorithm.rollout_correction.tis_mode", one_of("token", "sequence"), _TIS_MODE, nullable=True),
