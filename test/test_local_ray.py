@@ -42,7 +42,9 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
             return os.environ.get("OMP_NUM_THREADS")
 
         gcs = ray.get_runtime_context().gcs_address
+        # one connection attempt: Ray retries a refused client 20 times, a second apart
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env["RAY_NUM_REDIS_GET_RETRIES"] = "1"
         intruder = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{gcs}')"],
                                   env=env, capture_output=True, text=True, timeout=120)
         result = {
