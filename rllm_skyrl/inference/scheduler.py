@@ -322,13 +322,17 @@ class Scheduler:
                 request.finish("abort")
 
     def _take_out(self, doomed: Callable[[GenerationRequest], bool]) -> list[GenerationRequest]:
-        """Remove the requests ``doomed`` picks from the queue and the batch; the caller finishes them."""
+        """Remove the requests ``doomed`` picks from the queue and the batch; the caller finishes them.
+
+        A running row is asked ``doomed`` once: ``cancel`` may flag it meanwhile (the queue is read
+        under the lock ``cancel`` takes), and a row must not leave the batch unfinished."""
         with self._cv:
             gone = [r for r in self._waiting if doomed(r)]
             self._waiting = deque(r for r in self._waiting if not doomed(r))
         rows = self._running.rows
-        self._running.keep([i for i, r in enumerate(rows) if not doomed(r)])
-        return gone + [r for r in rows if doomed(r)]
+        taken = [doomed(r) for r in rows]
+        self._running.keep([i for i, out in enumerate(taken) if not out])
+        return gone + [r for r, out in zip(rows, taken, strict=True) if out]
 
     # ------------------------------------------------------------------ pause helpers
     def _drained(self) -> bool:
