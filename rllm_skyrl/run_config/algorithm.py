@@ -175,7 +175,8 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
         return f"rllm.algorithm.rollout_correction.tis_mode={tis_mode!r}"
     switches = ["tis_ratio_type", "sequence_mask_metric"]
     switches += ["outlier_token_is_threshold_low", "outlier_token_is_threshold_high"]
-    if correction.token_mask_is_threshold_high is not None:  # token masking is on with both thresholds
+    low, high = correction.token_mask_is_threshold_low, correction.token_mask_is_threshold_high
+    if low is not None and high is not None:  # token masking needs both thresholds
         switches.append("token_mask_is_threshold_low")
     for name in switches:
         value = getattr(correction, name)
