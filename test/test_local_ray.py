@@ -5,12 +5,10 @@ not apply. Each Ray runs in a fresh interpreter, apart from the suite's shared o
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -72,72 +70,6 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
         "daemons": ["gcs_server", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet"],
         "left": [],
     }
-
-
-AGENT_DELAY_SECONDS = 10.0
-
-
-def test_the_launched_ray_is_up_without_waiting_for_the_dashboard_agent(tmp_path):
-    """The dashboard agent (minimal: no metrics, no HTTP) only reports that it serves nothing; the
-    node is registered without it, and what it reports once started is what was filed for it.
-    The agent is held back here, at its interpreter's start, for longer than the node may take."""
-    (tmp_path / "sitecustomize.py").write_text(
-        textwrap.dedent(f"""
-        import time
-        argv = open("/proc/self/cmdline", "rb").read().split(b"\\0")
-        if any(a.endswith(b"dashboard/agent.py") for a in argv):
-            time.sleep({AGENT_DELAY_SECONDS})
-    """)
-    )
-    outcome = run_python(
-        """
-        import glob, json, os, sys, time
-        import psutil
-        from rllm_skyrl.compat import local_ray
-        started = time.monotonic()
-        local = local_ray.launch_for_cpu_run()
-        local.address()
-        up = time.monotonic() - started
-        children = psutil.Process(local.process.pid).children(recursive=True)
-        daemons = {" ".join(p.cmdline()): p for p in children}
-        agent = next(p for cmd, p in daemons.items() if "dashboard/agent.py" in cmd or "Dashboard" in cmd)
-        gcs = next(cmd for cmd in daemons if "gcs_server" in cmd)
-        session = os.path.dirname(next(a.split("=", 1)[1] for a in gcs.split() if a.startswith("--log_dir=")))
-        def filed():
-            return {os.path.basename(f).rsplit("_", 1)[0]: (open(f).read(), os.stat(f).st_mtime_ns)
-                    for f in glob.glob(f"{session}/*_port_*") if "metrics" in f or "dashboard" in f}
-        before = filed()
-        while filed() == before and time.monotonic() - started < 120:  # the agent files its ports
-            time.sleep(0.1)
-        after = filed()
-        print(json.dumps({"up_before_agent": up < float(sys.argv[1]), "agent_alive": agent.is_running(),
-                          "before": {k: v for k, (v, _) in before.items()},
-                          "after": {k: v for k, (v, _) in after.items()}}))
-        local_ray.stop()
-        """,
-        str(AGENT_DELAY_SECONDS),
-        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
-    )
-    ports = {"metrics_agent_port": "-1", "metrics_export_port": "-1", "dashboard_agent_listen_port": "-1"}
-    assert outcome == {"up_before_agent": True, "agent_alive": True, "before": ports, "after": ports}
-
-
-def test_the_node_table_poll_only_shortens_rays_own_wait(monkeypatch):
-    """Where the node table cannot be read, Ray's own registration lookup still runs (and is the
-    one that waits and reports); the lookup is Ray's again afterwards."""
-    import ray._raylet
-
-    def unreachable(*args, **kwargs):
-        raise ConnectionError("GCS unreachable")
-
-    monkeypatch.setattr(ray._raylet, "GcsClient", unreachable)
-    calls = []
-    services = SimpleNamespace(get_node=lambda address, node_id: calls.append((address, node_id)) or "node")
-    rays_lookup = services.get_node
-    with local_ray._prompt_registration_wait(services):
-        assert services.get_node("127.0.0.1:6379", "ab" * 28) == "node"
-    assert calls == [("127.0.0.1:6379", "ab" * 28)]
-    assert services.get_node is rays_lookup
 
 
 @pytest.mark.slow

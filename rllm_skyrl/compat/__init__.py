@@ -159,7 +159,8 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "CPU, no Ray cluster named or running",
         "ray.init starts a dashboard head, an autoscaler monitor and a log monitor a run does not "
         "use (two of them serve metrics without authentication); the run's own head starts without",
-        "quickstart start-up 14.0 s without, 10.5 s with (1.34x); no unauthenticated metrics ports",
+        "quickstart start-up 12.4 s without, 10.0 s with (1.24x, four rounds); no unauthenticated "
+        "metrics ports",
         "Ray: a flag to start a head node without dashboard head and monitors",
         {"ray": (RAY,)},
         in_workers=False,

@@ -10,10 +10,9 @@ those took 3-4 core-seconds and held up the start by their imports; the dashboar
 monitor also served Prometheus metrics without authentication on every interface (ports 44227 and
 44217). Here the head ``Node`` gets the resources and system config ``ray.init`` would give it, but
 none of those three, and a dashboard agent in Ray's minimal mode (no HTTP or metrics servers): the
-GCS, the raylet and its two agents are what actors, placement groups and runtime envs need. The
-node is up 0.78 s after the start on a quiet machine where ``ray.init`` took 1.26 s; launched at a
-run's first line (``training_run.train``), beside the driver's imports, it is up when the driver
-first asks (it waited 1.2 s before).
+GCS, the raylet and its two agents are what actors, placement groups and runtime envs need.
+Launched at a run's first line (``training_run.train``), beside the driver's imports, it is up
+before the driver first asks.
 
 The process stops Ray when ``stop`` asks, or within half a second of the driver's end however it
 ends: it polls its parent, which survives a SIGKILL where a parent-death signal would be tied to
@@ -32,9 +31,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +39,6 @@ logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 0.5
 STOP_SECONDS = 30.0
-REGISTRATION_POLL_SECONDS = 0.02
-REGISTRATION_TIMEOUT_SECONDS = 30.0
 
 
 def token_env(token: str) -> dict[str, str]:
@@ -199,25 +193,10 @@ def start_head(init_args: dict[str, Any]):
     from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
     from ray._private.node import Node
     from ray._private.parameter import RayParams
-    from ray._raylet import (
-        DASHBOARD_AGENT_LISTEN_PORT_NAME,
-        METRICS_AGENT_PORT_NAME,
-        METRICS_EXPORT_PORT_NAME,
-        persist_port,
-    )
 
     class HeadNode(Node):
         def start_api_server(self, *, include_dashboard, raise_on_failure) -> None:
             """No dashboard head: nothing of a run's asks it anything."""
-
-        def start_raylet(self, *args, **kwargs) -> None:
-            """The raylet registers the node once both agents have filed their ports; the minimal
-            dashboard agent files -1 only after importing Ray and its modules, seconds on two busy
-            cores. Filed here first (the agent writes the same values again), the node waits for
-            the runtime-env agent only, which it needs."""
-            for name in (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, DASHBOARD_AGENT_LISTEN_PORT_NAME):
-                persist_port(self._session_dir, self._node_id, name, -1)
-            super().start_raylet(*args, **kwargs)
 
     args = dict(init_args)
     system_config = args.pop("_system_config", {})
@@ -233,37 +212,7 @@ def start_head(init_args: dict[str, Any]):
         _system_config=system_config,
         **args,
     )
-    with _prompt_registration_wait(services):
-        return HeadNode(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
-
-
-@contextmanager
-def _prompt_registration_wait(services) -> Iterator[None]:
-    """``Node`` waits for its raylet's registration with a GCS lookup that, for a node not yet
-    registered, answers a second later: the node was up 1.26 s after the start, or 2.26, whatever
-    the raylet's own time. Polling the node table first, the lookup is made once the node is
-    there (quiet machine: 0.78 s with the ports filed above)."""
-    from ray._raylet import GcsClient, NodeID
-
-    get_node = services.get_node
-
-    def registered_node(gcs_address: str, node_id: str):
-        deadline = time.monotonic() + REGISTRATION_TIMEOUT_SECONDS
-        try:
-            client, wanted = GcsClient(address=gcs_address), NodeID.from_hex(node_id)
-            while wanted not in client.get_all_node_info(timeout=REGISTRATION_TIMEOUT_SECONDS):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(REGISTRATION_POLL_SECONDS)
-        except Exception:  # noqa: BLE001  (only a shortcut: Ray's own wait below retries and reports)
-            logger.debug("polling the node table failed", exc_info=True)
-        return get_node(gcs_address, node_id)
-
-    services.get_node = registered_node
-    try:
-        yield
-    finally:
-        services.get_node = get_node
+    return HeadNode(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
 
 
 def apply() -> None:
