@@ -85,11 +85,8 @@ class RunningBatch:
             new = self._select(new, keep)
         if new is None:
             return
-        if self.batch is None:
-            self.batch = new
-            self.counters["peak_running"] = max(self.counters["peak_running"], len(new.rows))
-        else:
-            self.batch = self._merge(self.batch, new)
+        self.batch = new if self.batch is None else self._merge(self.batch, new)
+        self.counters["peak_running"] = max(self.counters["peak_running"], len(self.batch.rows))
 
     def decode_step(self) -> None:
         batch = self.batch
@@ -158,13 +155,11 @@ class RunningBatch:
         ]
         rows = a.rows + b.rows
         self.counters["merges"] += 1
-        self.counters["peak_running"] = max(self.counters["peak_running"], len(rows))
-        sampler = self._sampler(rows)
         return KVBatch(
             rows,
             DynamicCache(layers),
             torch.cat([pad(a.mask, 1), pad(b.mask, 1)]),
             torch.cat([a.positions, b.positions]),
             torch.cat([a.last, b.last]),
-            sampler,
+            self._sampler(rows),
         )
