@@ -181,19 +181,25 @@ class Scheduler:
             raise ApiError(400, f"unknown pause mode {mode!r}; use one of {list(PAUSE_MODES)}")
         with self._cv:
             gate = next(self._seq)  # every request submitted so far has a smaller seq
+        held: Future = Future()
+        held.set_running_or_notify_cancel()  # uncancellable: only the generation thread settles it
 
-        def apply() -> Future | None:
+        def apply() -> None:
             self._pause, self._pause_gate = mode, gate
             if mode == "abort":
                 for request in self._take_out(lambda r: r.seq <= gate):
                     request.finish("abort")
             if mode == "wait" and not self._drained():
-                waiter: Future = Future()
-                self._drain_waiters.append(waiter)
-                return waiter
-            return None
+                self._drain_waiters.append(held)
+            else:
+                held.set_result(None)
 
-        return _chain(self.call(apply))
+        def pass_on_failure(call: Future) -> None:  # e.g. the server shut down before the call ran
+            if call.exception() is not None:
+                held.set_exception(call.exception())
+
+        self.call(apply).add_done_callback(pass_on_failure)
+        return held
 
     def resume(self) -> Future:
         def apply() -> None:
@@ -357,19 +363,3 @@ class Scheduler:
         for _, future in calls:
             future.set_exception(err)
         self._release_drain_waiters()
-
-
-def _chain(outer: Future) -> Future:
-    """A future that resolves when ``outer`` does, or when the future ``outer`` returned does."""
-    done: Future = Future()
-
-    def on_outer(f: Future) -> None:
-        if f.exception() is not None:
-            done.set_exception(f.exception())
-        elif isinstance(f.result(), Future):
-            f.result().add_done_callback(lambda inner: done.set_result(None))
-        else:
-            done.set_result(None)
-
-    outer.add_done_callback(on_outer)
-    return done
