@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 from rllm_skyrl.inference import checks
@@ -44,7 +45,7 @@ _SAMPLING_KEYS = (
 
 
 def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    if body.get("stream") is not None and checks.boolean("stream", body["stream"]):
+    if flag(body, "stream"):
         raise ApiError(400, "stream=true is not supported by the CPU inference server; send stream=false")
     raw = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
     for key in ("max_completion_tokens", "max_tokens"):
@@ -56,11 +57,10 @@ def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingPara
 
 
 def num_choices(body: dict[str, Any]) -> int:
-    n = body.get("n")
-    return 1 if n is None else checks.integer("n", n, 1, MAX_CHOICES)
+    return checks.optional_integer("n", body.get("n"), 1, MAX_CHOICES) or 1
 
 
-def _flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
+def flag(body: dict[str, Any], key: str, default: bool = False) -> bool:
     value = body.get(key)
     return default if value is None else checks.boolean(key, value)
 
@@ -81,10 +81,6 @@ def _usage(prompt_tokens: int, results: list[GenerationResult]) -> dict[str, int
     }
 
 
-def _piece(service: InferenceService, token: int) -> str:
-    return service.tokenizer.decode([token])
-
-
 async def chat_completion(service: InferenceService, body: dict[str, Any]) -> dict[str, Any]:
     """Everything is checked before the chat is templated, so a bad field costs no work."""
     adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
@@ -94,16 +90,15 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
             "a request's own chat_template is not accepted: the server renders with the model's chat "
             "template; drop the field",
         )
-    top = body.get("top_logprobs")
-    top = 0 if top is None else checks.integer("top_logprobs", top, 0, MAX_TOP_LOGPROBS)
-    params = _sampling_params(body, top if _flag(body, "logprobs") else None)
+    top = checks.optional_integer("top_logprobs", body.get("top_logprobs"), 0, MAX_TOP_LOGPROBS) or 0
+    params = _sampling_params(body, top if flag(body, "logprobs") else None)
     n = num_choices(body)
-    return_token_ids = _flag(body, "return_token_ids")
+    return_token_ids = flag(body, "return_token_ids")
     prompt_ids = await service.render_chat(
         body.get("messages"),
         tools=body.get("tools"),
-        add_generation_prompt=_flag(body, "add_generation_prompt", default=True),
-        continue_final_message=_flag(body, "continue_final_message"),
+        add_generation_prompt=flag(body, "add_generation_prompt", default=True),
+        continue_final_message=flag(body, "continue_final_message"),
         chat_template_kwargs=body.get("chat_template_kwargs"),
     )
     results = await service.generate_many(n_jobs(prompt_ids, params, n), adapter)
@@ -152,7 +147,7 @@ def logprobs_content(
 
 
 def _chat_entry(service: InferenceService, token: int, logprob: float) -> dict[str, Any]:
-    piece = _piece(service, token)
+    piece = service.tokenizer.decode([token])
     return {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
 
 
@@ -174,7 +169,7 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
     adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
     params = _sampling_params(body, body.get("logprobs"))
     n = num_choices(body)
-    return_token_ids = _flag(body, "return_token_ids")
+    return_token_ids = flag(body, "return_token_ids")
     prompts = await _prompts(service, body.get("prompt"))
     results = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
     choices = []
@@ -203,18 +198,14 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
 def _completion_logprobs(service: InferenceService, result: GenerationResult) -> dict[str, Any] | None:
     if result.logprobs is None:
         return None
-    pieces = [_piece(service, t) for t in result.token_ids]
-    offsets, offset = [], 0
-    for piece in pieces:
-        offsets.append(offset)
-        offset += len(piece)
+    pieces = [service.tokenizer.decode([t]) for t in result.token_ids]
     return {
         "tokens": pieces,
         "token_logprobs": result.logprobs,
         "top_logprobs": (
-            [{_piece(service, t): v for t, v in top} for top in result.top_logprobs]
+            [{service.tokenizer.decode([t]): v for t, v in top} for top in result.top_logprobs]
             if result.top_logprobs is not None
             else None
         ),
-        "text_offset": offsets,
+        "text_offset": list(accumulate((len(p) for p in pieces), initial=0))[:-1],  # where each piece starts
     }

@@ -169,8 +169,7 @@ def build_app(
         if "messages" in body:
             tokens = await service.render_chat(body["messages"], tools=body.get("tools"))
         elif isinstance(body.get("prompt"), str):
-            special = body.get("add_special_tokens")
-            special = True if special is None else checks.boolean("add_special_tokens", special)
+            special = openai_api.flag(body, "add_special_tokens", default=True)
             tokens = await service.encode(body["prompt"], add_special_tokens=special)
         else:
             raise ApiError(400, "send 'prompt' (a string) or 'messages' (a chat) to tokenize")
