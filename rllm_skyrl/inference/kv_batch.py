@@ -39,7 +39,7 @@ class RunningBatch:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, rng: torch.Generator, counters: Counter[str]):
         self.model = model
         self.tokenizer = tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = tokenizer.pad_token_id or 0
         self.rng = rng
         self.counters = counters
         self.batch: KVBatch | None = None
