@@ -209,9 +209,7 @@ class InferenceService:
         """Decoded completion, cut before a matched stop string unless asked to keep it."""
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=params.skip_special_tokens)
         if isinstance(result.stop_reason, str) and not params.include_stop_str_in_output:
-            cut = text.find(result.stop_reason)
-            if cut >= 0:
-                text = text[:cut]
+            text = text.partition(result.stop_reason)[0]
         return text
 
     # ------------------------------------------------------------------ control plane
@@ -261,13 +259,9 @@ class InferenceService:
         await self.on_thread(lambda: self.scheduler.sleeping_tags.update(tags))
 
     async def wake_up(self, tags: list[str] | None) -> None:
-        def wake() -> None:
-            if tags:
-                self.scheduler.sleeping_tags.difference_update(tags)
-            else:
-                self.scheduler.sleeping_tags.clear()
-
-        await self.on_thread(wake)
+        """Wake ``tags``, or everything when none are given."""
+        sleeping = self.scheduler.sleeping_tags
+        await self.on_thread(lambda: sleeping.difference_update(tags or list(sleeping)))
 
 
 def _settle(future: asyncio.Future, outcome: Any) -> None:
