@@ -254,11 +254,5 @@ def _lora_shape(config) -> tuple:
         tuple(sorted((getattr(config, attr, None) or {}).items()))
         for attr in ("rank_pattern", "alpha_pattern")
     )
-    return (
-        config.peft_type,
-        config.r,
-        config.lora_alpha,
-        targets,
-        getattr(config, "use_rslora", False),
-        patterns,
-    )
+    rslora = getattr(config, "use_rslora", False)
+    return config.peft_type, config.r, config.lora_alpha, targets, rslora, patterns
