@@ -197,13 +197,11 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        entries = [{"id": service.served_model_name, "root": service.model_dir, "parent": None}]
-        entries += [
-            {"id": name, "root": name, "parent": service.served_model_name} for name in scheduler.lora.names
-        ]
-        data = [
-            {"object": "model", "owned_by": "rllm_skyrl", "max_model_len": service.max_model_len, **e}
-            for e in entries
+        card = {"object": "model", "owned_by": "rllm_skyrl", "max_model_len": service.max_model_len}
+        data = [{**card, "id": service.served_model_name, "root": service.model_dir, "parent": None}]
+        data += [
+            {**card, "id": name, "root": name, "parent": service.served_model_name}
+            for name in scheduler.lora.names
         ]
         return json_response({"object": "list", "data": data})
 
