@@ -200,8 +200,6 @@ class LoraAdapters:
             self.root.file(directory, file)
         try:
             self._load(name, str(directory))
-        except ApiError:
-            raise
         except Exception as exc:  # an adapter that does not fit this model is the caller's to fix
             raise ApiError(
                 400, f"could not load the LoRA adapter in {path!r} ({type(exc).__name__}: {exc})"
