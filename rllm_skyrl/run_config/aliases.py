@@ -17,7 +17,6 @@ launchers sync ``data.*`` into ``rllm.data.*``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +26,13 @@ from rllm_skyrl.run_config.settings import ConfigError
 from rllm_skyrl.run_config.tree import select
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 @dataclass(frozen=True)
 class Alias:
-    """``key`` (another backend's) means ``target`` (ours); ``convert`` maps its value."""
+    """``key`` (another backend's) means ``target`` (ours)."""
 
     key: str
     target: str
     backend: str
-    convert: Callable[[Any], Any] = _same
 
     @property
     def effect(self) -> str:
@@ -237,11 +231,9 @@ def alias_values(cfg: DictConfig) -> dict[str, Any]:
             continue
         if value is None:
             continue
-        value = spec.convert(value)
         if spec.target in values and values[spec.target] != value:
-            other = setters[spec.target]
             raise ConfigError(
-                f"{spec.key}={value!r} and {other}={values[spec.target]!r} are both names for "
+                f"{spec.key}={value!r} and {setters[spec.target]}={values[spec.target]!r} are both names for "
                 f"{spec.target} and disagree; set one of them"
             )
         values[spec.target], setters[spec.target] = value, spec.key
