@@ -17,8 +17,6 @@ from typing import Any
 # size 2 each. They only gate scheduling; nothing runs on them.
 CPU_LOGICAL_GPUS = 8
 
-NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
-
 # SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
 # (varlen-packed) micro-batches, which SkyRL only implements with flash-attn's kernels.
 NO_FLASH_ATTN_CONFIG: dict[str, object] = {
@@ -37,7 +35,7 @@ CPU_CONFIG: dict[str, object] = {
 
 def has_nvidia_driver() -> bool:
     """Whether this machine could have CUDA, asked without importing torch."""
-    return any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS)
+    return any(os.path.exists(path) for path in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
 
 
 def flash_attn_installed() -> bool:
