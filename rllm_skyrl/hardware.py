@@ -1,8 +1,6 @@
-"""CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
+"""CPU or CUDA, decided once per run: which servers roll out, how weights reach them, what Ray offers.
 
-Everything that differs between a GPU cluster and a laptop is asked of one ``Platform``, built once
-per run; which patch sets apply where is ``compat``'s table. flash-attn is optional on CUDA (PyPI
-has no wheels for it): without it SkyRL trains with sdpa.
+flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 """
 
 from __future__ import annotations

@@ -6,10 +6,8 @@ reason unless its value asks for nothing (``null``, or what this backend does an
 silently ignored. The backend's yaml declares every key of this table as null (so Hydra accepts
 them without ``+``); a test holds the yaml, this table and the README's table together.
 
-A set alias beats its target (the package docstring's rule 1): rLLM's base config gives targets
-defaults (``rllm.data.train_batch_size: 64``), and a tinker user's ``data.train_batch_size=32``
-must train with 32. ``with_aliases`` writes the aliases onto their targets in a new config, so
-interpolations that read a target (``${rllm.data.max_response_length}``) follow, and the launchers
+A set alias beats its target (the package docstring's rule 1). ``with_aliases`` writes the aliases
+onto their targets in a new config, so interpolations that read a target follow, and the launchers
 hand it to the trainer, whose data loaders then see the backend's batch size (as rLLM's own
 launchers sync ``data.*`` into ``rllm.data.*``).
 """

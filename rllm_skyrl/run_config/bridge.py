@@ -114,8 +114,7 @@ BRIDGE: tuple[Pair, ...] = (
 def skyrl_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The flat ``{skyrl_key: value}`` dict for ``SkyRLTrainConfig.from_cli_overrides``; raises
     ``ValueError`` naming both keys when a set SkyRL key disagrees with the key it follows."""
-    skyrl_tree = select(cfg, "skyrl") or {}
-    overrides = {key: value for key, value in flatten(skyrl_tree).items() if key}
+    overrides = {key: value for key, value in flatten(select(cfg, "skyrl") or {}).items() if key}
     for pair in BRIDGE:
         given = pair.given(cfg)
         if given is None:  # the source is null: SkyRL's key, if set, or SkyRL's default
