@@ -1,8 +1,6 @@
-"""CPU or CUDA, decided once: which servers roll out, how weights reach them, what Ray offers.
+"""CPU or CUDA, decided once per run: which servers roll out, how weights reach them, what Ray offers.
 
-Everything that differs between a GPU cluster and a laptop is asked of one ``Platform``, built once
-per run; which patch sets apply where is ``compat``'s table. flash-attn is optional on CUDA (PyPI
-has no wheels for it): without it SkyRL trains with sdpa.
+flash-attn is optional on CUDA (PyPI has no wheels for it): without it SkyRL trains with sdpa.
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ from typing import Any
 # Logical GPUs offered on a CPU-only machine: enough for policy, critic and ref at data-parallel
 # size 2 each. They only gate scheduling; nothing runs on them.
 CPU_LOGICAL_GPUS = 8
-
-NVIDIA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 # SkyRL config values that must hold without flash-attn: sdpa attention, and no unpadded
 # (varlen-packed) micro-batches, which SkyRL only implements with flash-attn's kernels.
@@ -37,7 +33,7 @@ CPU_CONFIG: dict[str, object] = {
 
 def has_nvidia_driver() -> bool:
     """Whether this machine could have CUDA, asked without importing torch."""
-    return any(os.path.exists(path) for path in NVIDIA_DRIVER_PATHS)
+    return any(os.path.exists(path) for path in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
 
 
 def flash_attn_installed() -> bool:

@@ -1,8 +1,4 @@
-"""What a Hydra entry point wraps its work in, and ``rllm-skyrl plan`` for clusters.
-
-A run itself is ``training_run.train``; bring-up and shutdown of Ray, workers and servers belong to
-``runtime``; what is resolved from the config belongs to ``run_config``.
-"""
+"""What a Hydra entry point wraps its work in, and ``rllm-skyrl plan`` for clusters."""
 
 from __future__ import annotations
 
@@ -121,7 +117,7 @@ def placement_summary(run) -> str:
     from skyrl.backends.skyrl_train.weight_sync import get_transfer_strategy
 
     placement = run.skyrl.trainer.placement
-    engines_cfg = run.skyrl.generator.inference_engine
+    engines = run.skyrl.generator.inference_engine
     roles = [
         (role, getattr(placement, f"{role}_num_nodes"), getattr(placement, f"{role}_num_gpus_per_node"))
         for role in run.roles
@@ -136,18 +132,13 @@ def placement_summary(run) -> str:
         lines.append(f"inference: {len(urls)} engine(s) at {list(urls)} (their GPUs are not counted here)")
     else:
         per_engine = (
-            engines_cfg.tensor_parallel_size
-            * engines_cfg.pipeline_parallel_size
-            * engines_cfg.data_parallel_size
+            engines.tensor_parallel_size * engines.pipeline_parallel_size * engines.data_parallel_size
         )
-        inference_gpus = engines_cfg.num_engines * per_engine
+        inference_gpus = engines.num_engines * per_engine
         lines.append(
-            f"inference: {engines_cfg.num_engines} vLLM engine(s) x {per_engine} GPU(s) = {inference_gpus} "
+            f"inference: {engines.num_engines} vLLM engine(s) x {per_engine} GPU(s) = {inference_gpus} "
             "GPU(s), started by the backend"
         )
-    lines.append(
-        f"colocate_all: {placement.colocate_all}  colocate_policy_ref: {placement.colocate_policy_ref}"
-    )
     training = sum(nodes * gpus for _, nodes, gpus in roles)
     if placement.colocate_all:  # every role and the engines share the same GPUs
         needed = max(nodes * gpus for _, nodes, gpus in roles)
@@ -155,14 +146,15 @@ def placement_summary(run) -> str:
         ref_shares = placement.colocate_policy_ref and "ref" in run.roles
         ref_gpus = placement.ref_num_nodes * placement.ref_num_gpus_per_node if ref_shares else 0
         needed = training - ref_gpus + inference_gpus
-    transfer = get_transfer_strategy(engines_cfg.weight_sync_backend, placement.colocate_all)
-    lines.append(f"weight transfer: {'CUDA IPC' if transfer == 'ipc' else transfer.upper()}")
-    lines.append(
+    transfer = get_transfer_strategy(engines.weight_sync_backend, placement.colocate_all)
+    lines += [
+        f"colocate_all: {placement.colocate_all}  colocate_policy_ref: {placement.colocate_policy_ref}",
+        f"weight transfer: {'CUDA IPC' if transfer == 'ipc' else transfer.upper()}",
         "attention: flash_attention_2 where flash-attn is installed, else sdpa "
-        "(trainer.flash_attn and remove_microbatch_padding are turned off automatically)"
-    )
-    lines.append(f"total training GPUs: {training}")
-    lines.append(f"GPUs needed: {needed}")
+        "(trainer.flash_attn and remove_microbatch_padding are turned off automatically)",
+        f"total training GPUs: {training}",
+        f"GPUs needed: {needed}",
+    ]
     return "\n".join(lines)
 
 
@@ -182,9 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
-    if args.command == "plan":
-        with one_line_errors(always=True):
-            print(plan(args.overrides, args.config_name, args.config_dir))
+    with one_line_errors(always=True):  # "plan" is the only command
+        print(plan(args.overrides, args.config_name, args.config_dir))
 
 
 if __name__ == "__main__":

@@ -79,9 +79,7 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
             f"steps: {train[-1]['step']}  reward/mean: {first:.3f} (first {window} steps) "
             f"-> {last:.3f} (last {window})"
         )
-    validation = {
-        k: v for k, v in (records[-1] if records else {}).items() if k.startswith("val/") and "pass@" in k
-    }
+    validation = {k: v for k, v in records[-1].items() if k.startswith("val/") and "pass@" in k}
     lines += [f"{key}: {value:.3f}" for key, value in sorted(validation.items())]
     print("\n".join(lines), flush=True)
 

@@ -109,10 +109,8 @@ MASKER = SecretMasker()
 def scrub_hydra_outputs(masker: SecretMasker) -> None:
     """Hydra writes the composed config and the overrides to ``.hydra/*.yaml`` (and a sweep's
     ``multirun.yaml``)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-    except ImportError:
-        return
+    from hydra.core.hydra_config import HydraConfig
+
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()

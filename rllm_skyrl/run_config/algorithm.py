@@ -36,7 +36,6 @@ SKYRL_LOSS_REDUCTIONS: dict[str, tuple[str, int | None]] = {
 }
 # The policy loss when rllm.algorithm.loss_fn names none, as rLLM's tinker backend picks it.
 _LOSS_BY_ESTIMATOR = {"grpo": "ppo", "gae": "ppo"}
-_SKYRL_CORRECTION = "skyrl.trainer.algorithm.off_policy_correction"
 
 
 def default_policy_loss(estimator: str) -> str:
@@ -181,18 +180,17 @@ def _correction_setting(cfg: DictConfig, correction: Any) -> str | None:
     for name in switches:
         value = getattr(correction, name)
         if value is not None:
-            return f"{_SKYRL_CORRECTION}.{name}={value!r}"
+            return f"skyrl.trainer.algorithm.off_policy_correction.{name}={value!r}"
     return None
 
 
 def with_off_policy_correction(algorithm: dict[str, Any], cfg: DictConfig, skyrl_cfg: Any) -> dict[str, Any]:
     """The algorithm section's losses checked against the off-policy correction (decoupled in bypass mode)."""
     settings = off_policy_settings(cfg, skyrl_cfg, algorithm["bypass_mode"])
-    named = algorithm["loss_fn"]
     policy_loss = algorithm["policy_loss"]
     who = (
         f"rllm.algorithm.loss_fn={policy_loss.loss_fn!r}"
-        if named
+        if algorithm["loss_fn"]
         else f"rllm.algorithm.loss_fn=null (adv_estimator={algorithm['estimator']}: {policy_loss.loss_fn!r})"
     )
     return {

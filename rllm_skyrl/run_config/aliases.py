@@ -6,10 +6,8 @@ reason unless its value asks for nothing (``null``, or what this backend does an
 silently ignored. The backend's yaml declares every key of this table as null (so Hydra accepts
 them without ``+``); a test holds the yaml, this table and the README's table together.
 
-A set alias beats its target (the package docstring's rule 1): rLLM's base config gives targets
-defaults (``rllm.data.train_batch_size: 64``), and a tinker user's ``data.train_batch_size=32``
-must train with 32. ``with_aliases`` writes the aliases onto their targets in a new config, so
-interpolations that read a target (``${rllm.data.max_response_length}``) follow, and the launchers
+A set alias beats its target (the package docstring's rule 1). ``with_aliases`` writes the aliases
+onto their targets in a new config, so interpolations that read a target follow, and the launchers
 hand it to the trainer, whose data loaders then see the backend's batch size (as rLLM's own
 launchers sync ``data.*`` into ``rllm.data.*``).
 """
@@ -17,7 +15,6 @@ launchers sync ``data.*`` into ``rllm.data.*``).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,18 +24,13 @@ from rllm_skyrl.run_config.settings import ConfigError
 from rllm_skyrl.run_config.tree import select
 
 
-def _same(value: Any) -> Any:
-    return value
-
-
 @dataclass(frozen=True)
 class Alias:
-    """``key`` (another backend's) means ``target`` (ours); ``convert`` maps its value."""
+    """``key`` (another backend's) means ``target`` (ours)."""
 
     key: str
     target: str
     backend: str
-    convert: Callable[[Any], Any] = _same
 
     @property
     def effect(self) -> str:
@@ -237,11 +229,9 @@ def alias_values(cfg: DictConfig) -> dict[str, Any]:
             continue
         if value is None:
             continue
-        value = spec.convert(value)
         if spec.target in values and values[spec.target] != value:
-            other = setters[spec.target]
             raise ConfigError(
-                f"{spec.key}={value!r} and {other}={values[spec.target]!r} are both names for "
+                f"{spec.key}={value!r} and {setters[spec.target]}={values[spec.target]!r} are both names for "
                 f"{spec.target} and disagree; set one of them"
             )
         values[spec.target], setters[spec.target] = value, spec.key

@@ -2,9 +2,8 @@
 
 rLLM users think in ``rllm.rollout.n`` and ``rllm.algorithm.eps_clip``, and this backend's own keys
 are tinker's (``training.learning_rate``); SkyRL's workers read ``generator.n_samples_per_prompt``,
-``trainer.algorithm.eps_clip_low`` and ``trainer.policy.optimizer_config.lr``. The source key is
-the setting and its ``skyrl.*`` counterpart follows it (the package docstring's rule 2); SkyRL keys
-derived from several settings are filled in where the user left them unset.
+``trainer.algorithm.eps_clip_low`` and ``trainer.policy.optimizer_config.lr``. Which side wins,
+and which SkyRL keys are derived, is the package docstring's rules 2 and 3.
 
 ``rllm.algorithm.loss_fn`` and ``loss_agg_mode`` are not bridged: SkyRL's workers take the loss name
 per ``forward_backward`` and expect advantages already scaled for the reduction, so the backend
@@ -115,8 +114,7 @@ BRIDGE: tuple[Pair, ...] = (
 def skyrl_overrides(cfg: DictConfig) -> dict[str, Any]:
     """The flat ``{skyrl_key: value}`` dict for ``SkyRLTrainConfig.from_cli_overrides``; raises
     ``ValueError`` naming both keys when a set SkyRL key disagrees with the key it follows."""
-    skyrl_tree = select(cfg, "skyrl") or {}
-    overrides = {key: value for key, value in flatten(skyrl_tree).items() if key}
+    overrides = {key: value for key, value in flatten(select(cfg, "skyrl") or {}).items() if key}
     for pair in BRIDGE:
         given = pair.given(cfg)
         if given is None:  # the source is null: SkyRL's key, if set, or SkyRL's default

@@ -1,9 +1,5 @@
 """LoRA settings: tinker's keys checked and turned into SkyRL's ``trainer.policy.model.lora``.
 
-SkyRL's FSDP workers train adapters through PEFT from ``trainer.policy.model.lora.*``; the yaml
-feeds rank, alpha and dropout there, and this module checks them and works out the target modules
-before any worker starts. ``model.lora_rank=0`` (the default) is full fine-tuning.
-
 Targets come from the model's structure, read on the meta device (no weights loaded): every linear
 layer inside an attention block (``train_attn``) or an MLP / mixture-of-experts block
 (``train_mlp``), by the block's class name. Embeddings (``lm_head``, the input embedding) are never
@@ -33,12 +29,10 @@ _EMBEDDINGS = ("unembed", "embed")
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The policy's LoRA, as SkyRL's workers get it. ``rank == 0``: full fine-tuning."""
+    """The policy's LoRA (SkyRL's workers read theirs from the config). ``rank == 0``: full fine-tuning."""
 
     rank: int = 0
     alpha: float = 16
-    dropout: float = 0.0
-    target_modules: str | tuple[str, ...] = ALL_LINEAR
     sync_path: str | None = None
 
     @property
@@ -145,9 +139,7 @@ def resolve_lora(
     default = Path(overrides.get("trainer.ckpt_path") or ".") / "sync" / "lora"
     sync_path = str(Path(overrides.get(_POLICY + "lora_sync_path") or default).resolve())
     overrides[_POLICY + "lora_sync_path"] = sync_path
-    return LoraSettings(
-        rank=rank, alpha=alpha, dropout=float(dropout), target_modules=targets, sync_path=sync_path
-    )
+    return LoraSettings(rank=rank, alpha=alpha, sync_path=sync_path)
 
 
 def _refuse_critic_and_ref_lora(overrides: dict[str, Any]) -> None:

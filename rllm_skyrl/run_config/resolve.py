@@ -1,8 +1,4 @@
-"""The composed Hydra config -> one checked, immutable ``RunConfig``, section by section.
-
-Reads the config's content only (the package docstring states the rule) and never changes it; each
-section refuses what cannot work with one line naming key, value and what is allowed.
-"""
+"""The composed Hydra config -> one checked, immutable ``RunConfig``, section by section."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The resolved run: the typed, immutable settings everything downstream reads.
-
-The number of training steps is only known when the trainer starts, so ``for_total_steps`` returns
-a copy with the optimizer-step count and the warmup that depends on it, and
-``with_algorithm_config`` one with the per-role estimators and losses set in code.
-"""
+"""The resolved run: the typed, immutable settings everything downstream reads."""
 
 from __future__ import annotations
 
