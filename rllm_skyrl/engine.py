@@ -118,12 +118,7 @@ class SkyRLEngine:
 
     @classmethod
     def from_urls(
-        cls,
-        server_urls: list[str],
-        tokenizer: Any,
-        *,
-        uses_lora_weight_sync: bool = False,
-        **kwargs: Any,
+        cls, server_urls: list[str], tokenizer: Any, *, uses_lora_weight_sync: bool = False, **kwargs: Any
     ):
         """An engine over servers addressed directly (no router): one client per server for data,
         plus one that fans control calls out to all of them.
