@@ -173,7 +173,6 @@ class SkyRLBackend:
         return batch
 
     async def process_backend_batch(self, trainer_state: Any, **_) -> None:
-        """Critic values and GAE (PPO), old/reference logprobs, loss reduction, forward_backward."""
         batch = trainer_state.backend_batch
         if batch is not _EMPTY:
             await asyncio.to_thread(self._process, batch)
@@ -238,7 +237,6 @@ class SkyRLBackend:
         # What is alive now (torch, transformers, Ray, the run's own state) lives for the whole run.
         # Frozen, it is no longer walked by every full collection: unfrozen, those took 250 ms each,
         # every 2 s of the quickstart's training. Collected first, so no garbage is frozen with it.
-        # Most of it was frozen while the servers loaded (``Runtime.start``), so this is quick.
         gc.collect()
         gc.freeze()
 
@@ -254,12 +252,8 @@ class SkyRLBackend:
             self.runtime.mark_first_step()
 
     async def on_batch_end(self, trainer_state: Any) -> None:
-        """Weight sync after an update (on-policy mode), a checkpoint every ``save_freq`` steps, and
-        the step's metrics (tinker's ``progress/*`` and ``time/*`` among them).
-
-        Should it run while a failed step's exception propagates, nothing is published or saved:
-        the run stops, and a resume continues from the last complete checkpoint.
-        """
+        """While a failed step's exception propagates nothing is published or saved: the run stops,
+        and a resume continues from the last complete checkpoint."""
         step = trainer_state.global_step
         if not self._failing():
             if self._updated and not self.run.async_training:  # fully-async: on_policy_updated syncs

@@ -82,9 +82,6 @@ class CheckpointManager:
         self.roles = tuple(role for role in roles if role != "ref")  # the reference never changes
         self.max_to_keep = max_to_keep
 
-    def step_dir(self, step: int) -> Path:
-        return step_dir(self.root, step)
-
     def latest_step(self) -> int | None:
         return latest_step(self.root)
 
@@ -124,7 +121,7 @@ class CheckpointManager:
             return
         steps = sorted(s for p in self.root.iterdir() if (s := step_of(p)) is not None and s <= current)
         for old_step in steps[: -self.max_to_keep]:
-            shutil.rmtree(self.step_dir(old_step), ignore_errors=True)
+            shutil.rmtree(step_dir(self.root, old_step), ignore_errors=True)
 
     def resume(self, mode: str, path: str | None, trainer_state: Any, workers: Any) -> int | None:
         """Restore workers, step counter, data position and RNG; returns the step resumed from."""
@@ -186,6 +183,6 @@ def failure_report(error: BaseException | None, step: int, checkpoints: Checkpoi
     else:
         where = (
             f"rerun with training.resume_mode=auto to continue after step {latest} "
-            f"({checkpoints.step_dir(latest)})"
+            f"({step_dir(checkpoints.root, latest)})"
         )
     return f"training stopped at step {step}: {cause}; {where}"

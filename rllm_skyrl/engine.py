@@ -70,11 +70,9 @@ class SkyRLEngine:
     workflow engine sets ``is_validation``; the backend bumps ``weight_version`` after every weight
     sync, and outputs are stamped with the version live when their request started.
 
-    ``request_seed`` (None: off) seeds every request from the weight version, train/validation, the
-    prompt and how many requests with that prompt came before at this version: sampling then does
-    not depend on server RNG state, so a run resumed from a checkpoint samples exactly what the
-    uninterrupted run sampled. A caller's ``seed`` wins. A prompt's repeats take consecutive seeds,
-    so they still go to the server as one ``sample`` call (``rollout_sampling.RequestSeeds``).
+    ``request_seed`` (None: off) seeds every request (``rollout_sampling.RequestSeeds``): sampling
+    then does not depend on server RNG state, so a run resumed from a checkpoint samples exactly what
+    the uninterrupted run sampled. A caller's ``seed`` wins.
     """
 
     def __init__(
@@ -120,13 +118,7 @@ class SkyRLEngine:
 
     @classmethod
     def from_urls(
-        cls,
-        server_urls: list[str],
-        tokenizer: Any,
-        *,
-        model_name: str = "default",
-        uses_lora_weight_sync: bool = False,
-        **kwargs: Any,
+        cls, server_urls: list[str], tokenizer: Any, *, uses_lora_weight_sync: bool = False, **kwargs: Any
     ):
         """An engine over servers addressed directly (no router): one client per server for data,
         plus one that fans control calls out to all of them.
@@ -141,7 +133,6 @@ class SkyRLEngine:
                 proxy_url=proxy,
                 server_urls=urls,
                 data_parallel_size=1,
-                model_name=model_name,
                 tokenizer=tokenizer,
                 uses_lora_weight_sync=uses_lora_weight_sync,
             )
@@ -308,8 +299,6 @@ class SkyRLEngine:
         )
 
     def _data_client(self, session_id: Any) -> Any:
-        if len(self.data_clients) == 1:
-            return self.data_clients[0]
         if session_id is not None:
             return self.data_clients[zlib.crc32(str(session_id).encode()) % len(self.data_clients)]
         return self.data_clients[next(self._round_robin)]

@@ -282,8 +282,7 @@ class ModelRegistry:
             elementwise = None if elementwise_BT is None else elementwise_BT.tolist()
         rows = [{"logprobs": logprobs[i]} for i in range(n_real)]
         if elementwise is not None:
-            for i, row in enumerate(rows):
-                row["elementwise_loss"] = elementwise[i]
+            rows = [{**row, "elementwise_loss": elementwise[i]} for i, row in enumerate(rows)]
         return _tinker_output(out.loss_fn_output_type, rows, metrics, batch)
 
 

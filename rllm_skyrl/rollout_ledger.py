@@ -80,6 +80,11 @@ def _rollout_id(group: Any, index: int) -> str | None:
     return f"{meta['task_id']}:{meta['rollout_idx']}"
 
 
+def _unused_call_saying(text: str | None, calls: list[SampledCall], used: set[int]) -> int | None:
+    unused = (i for i, call in enumerate(calls) if i not in used and text in (call.text, call.content))
+    return None if text is None else next(unused, None)
+
+
 def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[int, int]:
     """Fill the token fields of steps that have none; ``(restored, unmatched)`` step counts. Agents
     (trajectories) of one rollout share its calls, each used once; the ledger then forgets them."""
@@ -98,17 +103,7 @@ def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[i
             texts = [_step_text(step) for step in missing]
             in_order = all(text is None for text in texts) and len(calls) == len(missing) and not used
             for position, (step, text) in enumerate(zip(missing, texts, strict=True)):
-                if in_order:
-                    match = position
-                else:
-                    match = next(
-                        (
-                            i
-                            for i, call in enumerate(calls)
-                            if i not in used and text is not None and text in (call.text, call.content)
-                        ),
-                        None,
-                    )
+                match = position if in_order else _unused_call_saying(text, calls, used)
                 if match is None:
                     unmatched += 1
                     continue

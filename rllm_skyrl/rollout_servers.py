@@ -206,9 +206,8 @@ def launch_cpu_servers(
 ) -> ServerGroup:
     """Start the server processes and return at once; ``wait_ready`` waits until they serve.
 
-    A server takes seconds to import torch and load its model, which a run overlaps with bringing up
-    Ray and its workers. ``weights_root`` (a run's ``<checkpoint root>/sync``) is the only place the
-    servers load weights from; None makes a private temporary directory, removed by ``stop()``.
+    ``weights_root`` (a run's ``<checkpoint root>/sync``) is the only place the servers load weights
+    from; None makes a private temporary directory, removed by ``stop()``.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,5 @@
 """Everything a run starts, and stops again: Ray, the servers, SkyRL's worker groups, the models, the engine.
 
-The backend, the SFT example and the tests all bring a run up through ``Runtime.start`` and take it
-down through ``Runtime.shutdown``, which stops every part even when stopping one of them fails.
 What differs between CPU and CUDA is asked of ``run.platform``; nothing here decides it.
 """
 
@@ -11,7 +9,6 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -56,7 +53,6 @@ class Runtime:
         self.servers: ServerGroup | None = None
         self.engine: SkyRLEngine | None = None  # rollouts through SkyRL's client, once servers serve
         self.checkpoints: CheckpointManager | None = None
-        self.resume_from: Path | None = None  # the checkpoint a resume loads (None: step 1)
         self._checkpoint_lock: CheckpointLock | None = None
         self.placement_group: Any = None  # SkyRL's shared placement group, with colocate_all
         self.startup_seconds: dict[str, float] = {}  # how long each part of the bring-up took
@@ -65,9 +61,7 @@ class Runtime:
 
     @classmethod
     def start(cls, run: RunConfig, tokenizer: Any = None, *, serve: bool = True) -> Runtime:
-        """The tokenizer, the run's checkpoint directory, Ray, the inference servers, the workers of
-        ``run.roles``, then the rollout engine over the servers; a failure part-way stops whatever had
-        started.
+        """Bring the run up; a failure part-way stops whatever had started.
 
         The checkpoint directory is claimed before anything expensive: this run alone writes it (a
         lock, released at shutdown), and what it would resume from is readable. The rest is SkyRL's order
@@ -82,7 +76,7 @@ class Runtime:
         try:
             with phase("tokenizer"):
                 runtime.tokenizer = runtime.tokenizer or load_tokenizer(run.model_path)
-            runtime.checkpoints, runtime._checkpoint_lock, runtime.resume_from = claim_checkpoints(
+            runtime.checkpoints, runtime._checkpoint_lock, _ = claim_checkpoints(
                 run.checkpoint, run.trained_roles
             )
             with phase("ray"):
@@ -146,8 +140,7 @@ class Runtime:
             self.startup_seconds[name] = time.perf_counter() - start
 
     async def sync_weights(self, version: int) -> int | None:
-        """Make every server sample from the workers' current policy, labelled ``version``; returns
-        the bytes the servers read (None when SkyRL moves the weights in memory)."""
+        """``weight_sync.sync_weights`` with this run's method, workers, servers and paths."""
         return await weight_sync.sync_weights(
             self.weight_sync_method,
             self.workers,

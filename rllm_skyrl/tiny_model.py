@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,7 +126,5 @@ def build_tiny_model(config: TinyModelConfig | None = None, cache_dir: str | Pat
     try:
         tmp.rename(out)
     except OSError:  # another process won the race; its copy is identical
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -7,6 +7,8 @@ that leaves no actor behind.
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 import ray
 
 from rllm_skyrl import compat
@@ -54,7 +56,6 @@ class SkyRLWorkers:
             )
 
         self.cfg = cfg
-        self.tokenizer = None
         placement = cfg.trainer.placement
         roles = roles or roles_for(cfg)
         actor_types = {"policy": PolicyWorker, "critic": CriticWorker, "ref": RefWorker}
@@ -82,8 +83,7 @@ class SkyRLWorkers:
             critic_actor_group=self._groups.get("critic"),
             ref_actor_group=self._groups.get("ref"),
         )
-        if tokenizer is not None:
-            self.use_tokenizer(tokenizer)
+        self.use_tokenizer(tokenizer)
 
     def _init_models(self, total_training_steps: int | None) -> None:
         """Load weights and build optimizers; SkyRL's schedulers count optimizer steps, not batches."""
@@ -115,7 +115,6 @@ class SkyRLWorkers:
         return self.dispatch.dp_size(role)
 
     def forward(self, role: str, batch, **kwargs):
-        """``loss_fn``, ``loss_fn_config`` and the rest as ``WorkerDispatch.forward`` takes them."""
         return self.dispatch.forward(role, batch, **kwargs)
 
     def forward_backward(self, role: str, batch, **kwargs):
@@ -160,8 +159,6 @@ class SkyRLWorkers:
         """Kill every actor we started; the Ray runtime itself belongs to the launcher."""
         for group in self._groups.values():
             for actor in getattr(group, "_actor_handlers", []):
-                try:
+                with suppress(Exception):  # already dead: nothing left to release
                     ray.kill(actor, no_restart=True)
-                except Exception:  # already dead: nothing left to release
-                    pass
         self._groups.clear()
