@@ -125,22 +125,18 @@ class StepMetrics:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self._samples[key].append(float(value))
 
-    def publish(self) -> dict[str, float]:
-        out = {}
-        for key, values in self._samples.items():
-            if key.startswith("time/") or key in _SUMMED:
-                out[key] = sum(values)
-            elif key.endswith(("/max", "_max")):
-                out[key] = max(values)
-            elif key.endswith(("/min", "_min")):
-                out[key] = min(values)
-            else:
-                out[key] = sum(values) / len(values)
-        return out
-
     def publish_step(self, trainer_state: Any) -> dict[str, float]:
         """The step's metrics as rLLM's tinker backend reports them, with the trainer's timers."""
-        metrics = self.publish()
+        metrics = {}
+        for key, values in self._samples.items():
+            if key.startswith("time/") or key in _SUMMED:
+                metrics[key] = sum(values)
+            elif key.endswith(("/max", "_max")):
+                metrics[key] = max(values)
+            elif key.endswith(("/min", "_min")):
+                metrics[key] = min(values)
+            else:
+                metrics[key] = sum(values) / len(values)
         for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
             metrics.setdefault(f"time/{name}", seconds)
         if "time/generate" in metrics and "perf/rollout_tokens" in metrics:
