@@ -68,7 +68,6 @@ class ResolvedLoss:
         return self.skyrl_loss_name is None
 
     def dispatch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``WorkerDispatch.forward`` / ``forward_backward`` (none for the critic)."""
         if self.trains_critic:
             return {}
         return {"loss_fn": self.skyrl_loss_name, "loss_fn_config": self.skyrl_config}

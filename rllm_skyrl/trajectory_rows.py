@@ -72,7 +72,6 @@ class Row:
         )
 
     def append(self, index: int, run: StepRun) -> None:
-        """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
         column = run.middle - run.start - self.prompt_length
         advantages = run.advantages if self.advantage is None else self.advantage
         self.trained.append(Span(column, run.stop - run.middle, run.logprobs, advantages))
