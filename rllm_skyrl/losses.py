@@ -186,10 +186,4 @@ def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | No
         for part in option.path[:-1]:
             node = node.setdefault(part, {})
         node[option.path[-1]] = option.convert(f"loss_fn {name!r}: {key}", value)
-    return ResolvedLoss(
-        role=role,
-        loss_fn=name,
-        skyrl_loss_name=spec.skyrl_name,
-        skyrl_config=skyrl_config,
-        uses_advantages=spec.uses_advantages,
-    )
+    return ResolvedLoss(role, name, spec.skyrl_name, skyrl_config, spec.uses_advantages)
