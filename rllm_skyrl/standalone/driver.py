@@ -136,11 +136,9 @@ class UnifiedTrainer:
             self.total_training_steps = self.total_batches if self.total_batches > 0 else epoch_steps
         if val_dataset is not None:
             val_batch_size = self._get("rllm.data.val_batch_size", -1)
+            batch_size = len(val_dataset) if val_batch_size == -1 else val_batch_size
             self.val_dataloader = StatefulTaskDataLoader(
-                val_dataset,
-                len(val_dataset) if val_batch_size == -1 else val_batch_size,
-                shuffle=False,
-                drop_last=False,
+                val_dataset, batch_size, shuffle=False, drop_last=False
             )
         self.logger = Tracking(self._get("rllm.trainer.logger", ["console"]), self.total_training_steps)
         rollout_engine = self.backend.init_rollout_engine(
