@@ -46,12 +46,6 @@ class Row:
     model_tokens: int = 0
     last_step: int = 0
 
-    @classmethod
-    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun, advantage: float | None) -> Row:
-        row = cls(label, group_id, index, run, run.middle - run.start, advantage)
-        row.append(index, run)
-        return row
-
     @property
     def length(self) -> int:
         return self.last.stop - self.last.start
@@ -137,7 +131,8 @@ def trajectory_rows(
                     label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                 )
             else:
-                row = Row.begun_by(label, group_id, index, run, scalar)
+                row = Row(label, group_id, index, run, run.middle - run.start, scalar)
+                row.append(index, run)
                 rows.append(row)
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 problem = (
