@@ -234,17 +234,15 @@ def reward_metrics(groups: Sequence[Any]) -> dict[str, float]:
     """``reward/<role>/*`` and, over every role, ``reward/mean`` and ``reward/std``."""
     by_role: dict[str, list[torch.Tensor]] = defaultdict(list)
     for group in groups:
-        by_role[group_role(group)].append(_group_rewards(group))
+        rewards_G = _group_rewards(group)
+        by_role[group_role(group)].append(rewards_G[torch.isfinite(rewards_G)])
     metrics: dict[str, float] = {}
     for role, rewards in by_role.items():
-        rewards_N = torch.cat(rewards)
-        metrics |= _summary(f"reward/{role}", rewards_N[torch.isfinite(rewards_N)])
-    if by_role:
-        all_N = torch.cat([r for rewards in by_role.values() for r in rewards])
-        finite_N = all_N[torch.isfinite(all_N)]
-        if finite_N.numel():
-            metrics["reward/mean"] = finite_N.mean().item()
-            metrics["reward/std"] = finite_N.std(unbiased=False).item()
+        metrics |= _summary(f"reward/{role}", torch.cat(rewards))
+    finite_N = torch.cat([r for rewards in by_role.values() for r in rewards] or [torch.zeros(0)])
+    if finite_N.numel():
+        metrics["reward/mean"] = finite_N.mean().item()
+        metrics["reward/std"] = finite_N.std(unbiased=False).item()
     return metrics
 
 

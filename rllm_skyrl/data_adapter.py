@@ -1,8 +1,7 @@
 """Trajectory groups (and SFT pairs) -> SkyRL ``TrainingInputBatch``: where episodes become tensors.
 
-Pure data processing: no Ray, no network, no files. Inputs are read by attribute, so rLLM's
-pydantic types and ``rllm_skyrl.records`` both work. Every field is checked and read once, a chunk
-of trajectories at a time (``trajectory_checks``, ``step_reads``), and steps are merged into rows
+Pure data processing: no Ray, no network, no files. Every field is checked (``trajectory_checks``)
+and read once, a chunk of trajectories at a time (``step_reads``), and steps are merged into rows
 (``trajectory_rows``) before any tensor is built.
 
 ``action_log_probs`` (the loss's "old" policy) start as the sampler's logprobs, which is Tinker's
@@ -231,11 +230,10 @@ def sft_examples_to_batch(
         _sft_pair(f"SFT example {i}", example, max_seq_len, vocab_size) for i, example in enumerate(examples)
     ]
     fields = build_rows(pad_token_id, rows, logprobs=False, advantages=False)
-    loss_mask = fields["loss_mask"]
     if loss_reduction == "token_mean":
-        loss_mask = loss_mask / loss_mask.sum().clamp(min=1.0)
-    kept = {key: fields[key] for key in ("sequences", "attention_mask", "response_mask")}
-    batch = TrainingInputBatch({**kept, "loss_mask": loss_mask})
+        fields["loss_mask"] /= fields["loss_mask"].sum().clamp(min=1.0)
+    kept = ("sequences", "attention_mask", "response_mask", "loss_mask")
+    batch = TrainingInputBatch({key: fields[key] for key in kept})
     batch.metadata = {
         "uids": [f"sft:{i}" for i in range(len(rows))],
         "row_ids": [f"SFT example {i}" for i in range(len(rows))],

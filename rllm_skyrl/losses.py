@@ -68,7 +68,6 @@ class ResolvedLoss:
         return self.skyrl_loss_name is None
 
     def dispatch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``WorkerDispatch.forward`` / ``forward_backward`` (none for the critic)."""
         if self.trains_critic:
             return {}
         return {"loss_fn": self.skyrl_loss_name, "loss_fn_config": self.skyrl_config}
@@ -187,10 +186,4 @@ def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | No
         for part in option.path[:-1]:
             node = node.setdefault(part, {})
         node[option.path[-1]] = option.convert(f"loss_fn {name!r}: {key}", value)
-    return ResolvedLoss(
-        role=role,
-        loss_fn=name,
-        skyrl_loss_name=spec.skyrl_name,
-        skyrl_config=skyrl_config,
-        uses_advantages=spec.uses_advantages,
-    )
+    return ResolvedLoss(role, name, spec.skyrl_name, skyrl_config, spec.uses_advantages)

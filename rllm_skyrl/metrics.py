@@ -4,13 +4,9 @@ Definitions are tinker's (``rllm/trainer/tinker/tinker_metrics_utils.py``), so a
 backends; ``worker_metrics`` renames SkyRL's. SkyRL's true entropy over the vocabulary is
 ``train/policy_entropy``: rLLM's ``train/entropy`` is the sampled tokens' negative log-likelihood.
 
-Off-policy correction goes under the names rLLM's verl backend logs (``rollout_correction/*``, from
-verl's ``compute_rollout_correction_weights``) with SkyRL's definitions
-(``off_policy_correction_utils.compute_off_policy_correction``): ``rollout_is_mean`` and
-``rollout_is_max`` are the mean and max of the uncapped token ratio ``exp(old - rollout)`` over loss
-tokens (verl's mean is of the capped weights, and its sequence-level max of sequence ratios);
-``rollout_is_ratio_fraction_high`` is the fraction of tokens (token TIS) or sequences (sequence TIS)
-whose weight the cap cut, as verl's.
+Off-policy correction goes under the names rLLM's verl backend logs (``rollout_correction/*``) with
+SkyRL's definitions (README, "Off-policy correction"): verl's ``rollout_is_mean`` is of the capped
+weights and its sequence-level max of sequence ratios, SkyRL's are of the uncapped token ratio.
 """
 
 from __future__ import annotations
@@ -125,22 +121,18 @@ class StepMetrics:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self._samples[key].append(float(value))
 
-    def publish(self) -> dict[str, float]:
-        out = {}
-        for key, values in self._samples.items():
-            if key.startswith("time/") or key in _SUMMED:
-                out[key] = sum(values)
-            elif key.endswith(("/max", "_max")):
-                out[key] = max(values)
-            elif key.endswith(("/min", "_min")):
-                out[key] = min(values)
-            else:
-                out[key] = sum(values) / len(values)
-        return out
-
     def publish_step(self, trainer_state: Any) -> dict[str, float]:
         """The step's metrics as rLLM's tinker backend reports them, with the trainer's timers."""
-        metrics = self.publish()
+        metrics = {}
+        for key, values in self._samples.items():
+            if key.startswith("time/") or key in _SUMMED:
+                metrics[key] = sum(values)
+            elif key.endswith(("/max", "_max")):
+                metrics[key] = max(values)
+            elif key.endswith(("/min", "_min")):
+                metrics[key] = min(values)
+            else:
+                metrics[key] = sum(values) / len(values)
         for name, seconds in getattr(trainer_state, "timing_dict", {}).items():
             metrics.setdefault(f"time/{name}", seconds)
         if "time/generate" in metrics and "perf/rollout_tokens" in metrics:

@@ -1,21 +1,14 @@
 """Off-policy correction through SkyRL's own: which losses apply it, and bypass mode's decoupled losses.
 
 rLLM's ``rollout_correction.tis_mode`` with ``tis_cap`` is SkyRL's
-``trainer.algorithm.off_policy_correction`` (bridged in ``run_config.bridge``), which SkyRL's policy
-losses apply themselves: each token's term (or sequence's) is weighted by
-``min(exp(old - rollout), cap)``, detached. Which "old" log-probs that weighs depends on
-``rollout_correction.bypass_mode``:
-
-- ``false``: the backend recomputes them with a forward pass before the update (as verl does); the
-  weight compares the trainer's policy before the update with the sampler's.
-- ``true``: the batch's old log-probs are the sampler's, so SkyRL's weight would be exactly 1. With
-  one optimizer step per batch (always so in rLLM's fully-async mode), the trainer's own log-probs
-  in the forward-backward, detached, *are* the policy before the update. ``DecoupledLoss``
-  (registered in SkyRL's ``PolicyLossRegistry``) calls SkyRL's loss with those as the old
-  log-probs: its ratio ``exp(logp - sg(logp))`` is 1 with the gradient of ``logp`` and the weight
-  is ``min(exp(sg(logp) - rollout), cap)``: verl's decoupled PPO with the current policy as the
-  proximal one, without the extra forward pass. With several optimizer steps per batch that no
-  longer holds, so the run config refuses the combination.
+``trainer.algorithm.off_policy_correction`` (README, "Off-policy correction"): SkyRL's policy losses
+weigh each token's term (or sequence's) by ``min(exp(old - rollout), cap)``, detached. In bypass mode
+the batch's old log-probs are the sampler's, so that weight would be exactly 1; ``DecoupledLoss``
+(registered in SkyRL's ``PolicyLossRegistry``) calls SkyRL's loss with the trainer's own log-probs,
+detached, as the old ones: its ratio ``exp(logp - sg(logp))`` is 1 with the gradient of ``logp`` and
+the weight is ``min(exp(sg(logp) - rollout), cap)``, verl's decoupled PPO with the current policy as
+the proximal one. Only one optimizer step per batch keeps that policy the one before the update, so
+the run config refuses bypass mode with several.
 """
 
 from __future__ import annotations

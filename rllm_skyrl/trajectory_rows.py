@@ -46,12 +46,6 @@ class Row:
     model_tokens: int = 0
     last_step: int = 0
 
-    @classmethod
-    def begun_by(cls, label: str, group_id: str, index: int, run: StepRun, advantage: float | None) -> Row:
-        row = cls(label, group_id, index, run, run.middle - run.start, advantage)
-        row.append(index, run)
-        return row
-
     @property
     def length(self) -> int:
         return self.last.stop - self.last.start
@@ -72,7 +66,6 @@ class Row:
         )
 
     def append(self, index: int, run: StepRun) -> None:
-        """Prompt tokens beyond the row are observations (context, mask 0); sampled tokens are trained."""
         column = run.middle - run.start - self.prompt_length
         advantages = run.advantages if self.advantage is None else self.advantage
         self.trained.append(Span(column, run.stop - run.middle, run.logprobs, advantages))
@@ -138,7 +131,8 @@ def trajectory_rows(
                     label, index, "prompt_ids", "empty prompt", "a row needs at least one prompt token"
                 )
             else:
-                row = Row.begun_by(label, group_id, index, run, scalar)
+                row = Row(label, group_id, index, run, run.middle - run.start, scalar)
+                row.append(index, run)
                 rows.append(row)
             if config.max_seq_len is not None and row.length > config.max_seq_len:
                 problem = (

@@ -121,6 +121,7 @@ class UnifiedTrainer:
             )
         self.train_dataloader = self.val_dataloader = None
         self.total_training_steps = 0
+        self.total_batches = self._get("rllm.trainer.total_batches", -1) or -1
         if train_dataset is not None:
             batch_size = self._get("rllm.data.train_batch_size")
             self.train_dataloader = StatefulTaskDataLoader(
@@ -131,16 +132,13 @@ class UnifiedTrainer:
                     f"train dataset has {len(train_dataset)} rows, fewer than "
                     f"rllm.data.train_batch_size={batch_size}; no full batch can be drawn"
                 )
-            total_batches = self._get("rllm.trainer.total_batches", -1) or -1
             epoch_steps = len(self.train_dataloader) * self._get("rllm.trainer.total_epochs")
-            self.total_training_steps = total_batches if total_batches > 0 else epoch_steps
+            self.total_training_steps = self.total_batches if self.total_batches > 0 else epoch_steps
         if val_dataset is not None:
             val_batch_size = self._get("rllm.data.val_batch_size", -1)
+            batch_size = len(val_dataset) if val_batch_size == -1 else val_batch_size
             self.val_dataloader = StatefulTaskDataLoader(
-                val_dataset,
-                len(val_dataset) if val_batch_size == -1 else val_batch_size,
-                shuffle=False,
-                drop_last=False,
+                val_dataset, batch_size, shuffle=False, drop_last=False
             )
         self.logger = Tracking(self._get("rllm.trainer.logger", ["console"]), self.total_training_steps)
         rollout_engine = self.backend.init_rollout_engine(
@@ -188,7 +186,6 @@ class UnifiedTrainer:
         loader = self.train_dataloader
         if loader is None:
             raise ValueError("fit() needs a train_dataset")
-        total_batches = self._get("rllm.trainer.total_batches", -1) or -1
         test_freq = self._get("rllm.trainer.test_freq", 5)
         stop = False
         for epoch in range(loader.epoch, self._get("rllm.trainer.total_epochs")):
@@ -204,7 +201,7 @@ class UnifiedTrainer:
                 state.timing_dict["step"] = time.perf_counter() - started
                 await self.backend.on_batch_end(state)
                 self.logger.log(state.metrics, step=state.global_step)
-                if 0 < total_batches <= state.global_step:
+                if 0 < self.total_batches <= state.global_step:
                     stop = True
                     break
                 if test_freq > 0 and state.global_step % test_freq == 0:

@@ -86,6 +86,5 @@ def validation_metrics(episodes: Sequence[Any], n_val: int) -> dict[str, float]:
             solved[episode.task_id] |= bool(episode.is_correct)
         metrics[f"val/{source}/pass@1"] = float(np.mean([bool(e.is_correct) for e in source_episodes]))
         metrics[f"val/{source}/pass@{n_val}"] = float(np.mean(list(solved.values())))
-        for key, value in _numeric_means(source_episodes).items():
-            metrics[f"val/{source}/{key}"] = value
+        metrics |= {f"val/{source}/{key}": value for key, value in _numeric_means(source_episodes).items()}
     return metrics
