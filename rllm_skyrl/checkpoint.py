@@ -151,14 +151,12 @@ class CheckpointManager:
         return state["global_step"]
 
 
-def claim_checkpoints(
-    settings: Any, roles: tuple[str, ...]
-) -> tuple[CheckpointManager, CheckpointLock, Path | None]:
-    """This run's checkpoints (``run.checkpoint`` settings): the manager, the directory's lock (held
-    until released), and the checkpoint a resume will load (None: step 1), checked without loading."""
+def claim_checkpoints(settings: Any, roles: tuple[str, ...]) -> tuple[CheckpointManager, CheckpointLock]:
+    """This run's checkpoints (``run.checkpoint`` settings): the manager and the directory's lock
+    (held until released), once what a resume will load is checked without loading it."""
     manager = CheckpointManager(settings.root, roles, settings.max_to_keep)
-    lock, resume_from = claim(manager.root, manager.roles, settings.resume_mode, settings.resume_from_path)
-    return manager, lock, resume_from
+    lock = claim(manager.root, manager.roles, settings.resume_mode, settings.resume_from_path)
+    return manager, lock
 
 
 def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:

@@ -273,13 +273,12 @@ def validate(root: Path, roles: tuple[str, ...], mode: str, path: str | None) ->
     return directory
 
 
-def claim(
-    root: Path, roles: tuple[str, ...], mode: str, path: str | None
-) -> tuple[CheckpointLock, Path | None]:
+def claim(root: Path, roles: tuple[str, ...], mode: str, path: str | None) -> CheckpointLock:
     """Hold ``root`` for this run (until the lock is released) and check what a resume will load."""
     lock = CheckpointLock(root).acquire()
     try:
-        return lock, validate(root, roles, mode, path)
+        validate(root, roles, mode, path)
+        return lock
     except BaseException:
         lock.release()
         raise

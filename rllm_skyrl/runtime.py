@@ -76,7 +76,7 @@ class Runtime:
         try:
             with phase("tokenizer"):
                 runtime.tokenizer = runtime.tokenizer or load_tokenizer(run.model_path)
-            runtime.checkpoints, runtime._checkpoint_lock, _ = claim_checkpoints(
+            runtime.checkpoints, runtime._checkpoint_lock = claim_checkpoints(
                 run.checkpoint, run.trained_roles
             )
             with phase("ray"):

@@ -310,7 +310,7 @@ def test_bring_up_is_ray_then_servers_then_workers_as_skyrls_trainer(monkeypatch
     monkeypatch.setattr(
         runtime_module,
         "claim_checkpoints",
-        lambda settings, roles: events.append(("checkpoints", roles)) or ("manager", Lock(), None),
+        lambda settings, roles: events.append(("checkpoints", roles)) or ("manager", Lock()),
     )
     monkeypatch.setattr(runtime_module, "start_ray", lambda *a, **k: events.append("ray") or True)
     monkeypatch.setattr(runtime_module, "load_tokenizer", lambda path: events.append("tokenizer") or "tok")
@@ -400,7 +400,7 @@ def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start
             released.append(True)
 
     monkeypatch.setattr(
-        runtime_module, "claim_checkpoints", lambda settings, roles: ("manager", Lock(), None)
+        runtime_module, "claim_checkpoints", lambda settings, roles: ("manager", Lock())
     )
     monkeypatch.setattr(runtime_module, "stop_ray", lambda: shut_down.append(True))
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
