@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
+    quiet_libraries()  # as in a run: SkyRL's import-time notes (e.g. its vLLM patches skipped) stay off
     with one_line_errors(always=True):  # "plan" is the only command
         print(plan(args.overrides, args.config_name, args.config_dir))
 

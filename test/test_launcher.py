@@ -41,7 +41,8 @@ def test_plan_shows_placement_and_resolved_config_without_starting_anything():
 
 
 def test_rllm_skyrl_plan_from_the_command_line():
-    """The installed console script runs ``launcher.main``: ``plan`` prints the plan, exits 0."""
+    """The installed console script runs ``launcher.main``: ``plan`` prints the plan, exits 0, and
+    nothing else (SkyRL's import-time notes, such as its vLLM patches skipped here, stay quiet)."""
     script = Path(sys.executable).parent / "rllm-skyrl"
     result = subprocess.run(
         [str(script), "plan", "model.path=org/some-8b-model", "rllm.algorithm.kl_beta=0.01"],
@@ -53,6 +54,7 @@ def test_rllm_skyrl_plan_from_the_command_line():
     assert "policy: 1 node(s) x 1 GPU(s) = 1 training GPU(s)" in result.stdout
     assert "ref: 1 node(s) x 1 GPU(s)" in result.stdout  # the KL term brings a reference model
     assert "use_kl_loss: true" in result.stdout and "path: org/some-8b-model" in result.stdout
+    assert result.stderr == ""
 
 
 def test_cli_refuses_a_missing_or_unknown_command(capsys):
