@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import (
@@ -250,15 +251,20 @@ def zero_variance(groups: Sequence[Any], advantages: BatchAdvantages) -> list[bo
     """Per group: whether every advantage is 0 (the group would push the policy nowhere)."""
     if advantages.by_group is not None:
         return [all(abs(a) < ZERO_VARIANCE_STD for a in group) for group in advantages.by_group]
-    flags = []
-    for group in groups:
-        values = []
-        for trajectory in group.trajectories:
-            for step in trajectory.steps or []:
-                value = step.advantage
-                values.extend(value if isinstance(value, list | tuple) else [value or 0.0])
-        flags.append(all(abs(float(v)) < ZERO_VARIANCE_STD for v in values))
-    return flags
+    return [
+        all(_all_zero(step.advantage) for trajectory in group.trajectories for step in trajectory.steps or [])
+        for group in groups
+    ]
+
+
+def _all_zero(advantage: Any) -> bool:
+    """A step's own advantage (a float, or one per token as a list, array or tensor) is all 0; a
+    missing one or one that is not a number keeps its group, for the data adapter to reject by name."""
+    try:
+        values = np.asarray(advantage, dtype=np.float64)
+    except (TypeError, ValueError):
+        return False
+    return bool(np.all(np.abs(values) < ZERO_VARIANCE_STD))
 
 
 def _real_rows(batch: TrainingInputBatch) -> int:

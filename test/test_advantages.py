@@ -22,10 +22,12 @@ from skyrl.train.config import AlgorithmConfig
 
 from rllm_skyrl.advantages import (
     LOSS_REDUCTIONS,
+    BatchAdvantages,
     add_gae_advantages,
     apply_loss_reduction,
     compute_group_advantages,
     outcome_advantages,
+    zero_variance,
 )
 from rllm_skyrl.data_adapter import BatchConfig, trajectory_groups_to_batch
 from rllm_skyrl.losses import resolve_loss
@@ -297,3 +299,24 @@ def test_skyrl_ppo_loss_on_a_reduced_batch_is_the_token_mean_surrogate():
         rollout_logprobs=batch["rollout_logprobs"],
     )
     assert loss.item() == pytest.approx(-(2 * 1 + 4 * 2 + 3 * 3) / 9)
+
+
+def test_zero_variance_reads_precomputed_advantages_of_every_kind():
+    """Advantages already on the steps (rLLM's, or a workflow's own) may be a float, a list, a numpy
+    array or a tensor per token; a group is flat only when every one is 0. One missing or unreadable
+    keeps its group, so the data adapter's checks name it."""
+    on_steps = BatchAdvantages(None, True, {})
+
+    def group(*advantages):
+        return group_of(*(Trajectory([Step([1, 2], [3, 4], advantage=a)]) for a in advantages))
+
+    groups = [
+        group(0.0, [0.0, 0.0]),
+        group(np.zeros(2), torch.zeros(2)),
+        group(np.array([0.0, 0.5]), 0.0),
+        group(torch.tensor([0.0, -1.0]), [0.0, 0.0]),
+        group(0.0, "high"),
+        group(0.0, float("nan")),
+        group(0.0, None),
+    ]
+    assert zero_variance(groups, on_steps) == [True, True, False, False, False, False, False]
