@@ -399,9 +399,7 @@ def test_a_failed_ray_start_stops_the_bring_up_and_leaves_a_ray_it_did_not_start
         def release(self):
             released.append(True)
 
-    monkeypatch.setattr(
-        runtime_module, "claim_checkpoints", lambda settings, roles: ("manager", Lock())
-    )
+    monkeypatch.setattr(runtime_module, "claim_checkpoints", lambda settings, roles: ("manager", Lock()))
     monkeypatch.setattr(runtime_module, "stop_ray", lambda: shut_down.append(True))
     monkeypatch.setattr(runtime_module, "start_ray", start_ray)
     never = lambda *a, **k: pytest.fail("workers after a failed Ray")  # noqa: E731
