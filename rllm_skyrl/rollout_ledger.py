@@ -80,9 +80,12 @@ def _rollout_id(group: Any, index: int) -> str | None:
     return f"{meta['task_id']}:{meta['rollout_idx']}"
 
 
-def _unused_call_saying(text: str | None, calls: list[SampledCall], used: set[int]) -> int | None:
-    unused = (i for i, call in enumerate(calls) if i not in used and text in (call.text, call.content))
-    return None if text is None else next(unused, None)
+def _first_unused_call(text: str | None, calls: list[SampledCall], used: set[int]) -> int | None:
+    """The first call not yet used whose text or content is ``text``; a step without text has none."""
+    if text is None:
+        return None
+    unused = (i for i, call in enumerate(calls) if i not in used)
+    return next((i for i in unused if text in (calls[i].text, calls[i].content)), None)
 
 
 def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[int, int]:
@@ -103,7 +106,7 @@ def restore_step_tokens(groups: Sequence[Any], ledger: RolloutLedger) -> tuple[i
             texts = [_step_text(step) for step in missing]
             in_order = all(text is None for text in texts) and len(calls) == len(missing) and not used
             for position, (step, text) in enumerate(zip(missing, texts, strict=True)):
-                match = position if in_order else _unused_call_saying(text, calls, used)
+                match = position if in_order else _first_unused_call(text, calls, used)
                 if match is None:
                     unmatched += 1
                     continue
