@@ -28,8 +28,8 @@ import torch
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-from rllm_skyrl.batch_layout import pad_to_multiple, right_aligned
-from rllm_skyrl.data_adapter import BatchConfig, trajectory_groups_to_batch
+from rllm_skyrl.data.adapter import BatchConfig, trajectory_groups_to_batch
+from rllm_skyrl.data.batch_layout import pad_to_multiple, right_aligned
 from rllm_skyrl.records import Step, Trajectory, TrajectoryGroup
 
 VOCAB = 151_936  # Qwen-sized

@@ -202,7 +202,7 @@ def driver_gpus() -> list[str]:
 
 def run_case(case: Case, workdir: Path) -> tuple[Result, list[dict]]:
     """Train ``case`` in a subprocess on its first ``case.gpus`` GPUs; summarize its metrics."""
-    from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.run.metrics_file import read_metrics
 
     run_dir = workdir / case.name
     log_file = workdir / f"{case.name}.log"

@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from examples.simple_math.task import make_rows, reward_fn
-from rllm_skyrl.process_clock import process_started_at
+from rllm_skyrl.run.process_clock import process_started_at
 
 
 def digit_reward(completions: list, answer: list[str], **_) -> list[float]:

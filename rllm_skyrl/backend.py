@@ -28,16 +28,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm_skyrl import advantages as adv
 from rllm_skyrl import rllm_api
-from rllm_skyrl.batch_layout import stack_rows
-from rllm_skyrl.checkpoint import CheckpointManager, failure_report
-from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
-from rllm_skyrl.metrics import StepMetrics
-from rllm_skyrl.policy_update import PolicyUpdate
-from rllm_skyrl.rollout_ledger import restore_step_tokens
+from rllm_skyrl.checkpoint.manager import CheckpointManager, failure_report
+from rllm_skyrl.data.adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
+from rllm_skyrl.data.batch_layout import stack_rows
+from rllm_skyrl.rollout.ledger import restore_step_tokens
+from rllm_skyrl.run.metrics import StepMetrics
 from rllm_skyrl.run_config import RunConfig, resolve_run_config, trainer_keys_behind
 from rllm_skyrl.runtime import Runtime
+from rllm_skyrl.update import advantages as adv
+from rllm_skyrl.update.policy_update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import ray
 
-from rllm_skyrl import compat, stop_signals
-from rllm_skyrl.compat import local_ray
+from rllm_skyrl import compat
+from rllm_skyrl.compat import local_ray, sigterm
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.secret_masking import is_secret_key
 
@@ -70,7 +70,7 @@ def start_ray(
         local_ray.join(platform, num_cpus, runtime_env)
     else:
         ray.init(**platform.ray_init_args(num_cpus), runtime_env=runtime_env, log_to_driver=False)
-    stop_signals.after_ray_init()  # ray.init installed its own SIGTERM handler: settle it
+    sigterm.after_ray_init()  # ray.init installed its own SIGTERM handler: settle it
     return True
 
 

@@ -14,16 +14,16 @@ from typing import Any
 import ray
 from ray.util import remove_placement_group
 
-from rllm_skyrl import weight_sync
-from rllm_skyrl.checkpoint import CheckpointManager, claim_checkpoints
-from rllm_skyrl.checkpoint_dirs import CheckpointLock
-from rllm_skyrl.engine import SkyRLEngine
-from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.process_clock import process_started_at
+from rllm_skyrl.checkpoint.dirs import CheckpointLock
+from rllm_skyrl.checkpoint.manager import CheckpointManager, claim_checkpoints
 from rllm_skyrl.ray_cluster import start_ray, stop_ray
-from rllm_skyrl.rollout_servers import ServerGroup, start_servers
+from rllm_skyrl.rollout import weight_sync
+from rllm_skyrl.rollout.engine import SkyRLEngine
+from rllm_skyrl.rollout.servers import ServerGroup, start_servers
+from rllm_skyrl.run.process_clock import process_started_at
 from rllm_skyrl.run_config import RunConfig
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.models import ModelRegistry
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 logger = logging.getLogger(__name__)
 

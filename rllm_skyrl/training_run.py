@@ -83,11 +83,12 @@ def _train(
     scrub_hydra_outputs(masker)
     compat.prepare_imports()  # before the backend's and the trainer's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
+    from rllm_skyrl.compat.quiet_logs import quiet_libraries
     from rllm_skyrl.compat.rllm_tracking import add_sinks
-    from rllm_skyrl.launcher import clean_stop, one_line_errors, quiet_libraries
+    from rllm_skyrl.run.console import ProgressBar, finish_run, trainer_output
+    from rllm_skyrl.run.exits import clean_stop, one_line_errors
+    from rllm_skyrl.run.metrics_file import MetricsSink
     from rllm_skyrl.run_config import with_aliases
-    from rllm_skyrl.run_console import ProgressBar, finish_run, trainer_output
-    from rllm_skyrl.run_log import MetricsSink
 
     quiet_libraries()
     with one_line_errors():

@@ -181,7 +181,7 @@ def digit_run(tmp_path: Path, *overrides: str, reward=digit_reward) -> list[dict
     the step records of ``metrics.jsonl``."""
     from rllm.workflows.simple_workflow import SimpleWorkflow
 
-    from rllm_skyrl.run_log import read_metrics
+    from rllm_skyrl.run.metrics_file import read_metrics
 
     cfg = rllm_config(tmp_path, *DIGITS, "rllm.trainer.test_freq=0", *overrides)
     run_rllm(cfg, SimpleWorkflow, {"reward_function": reward}, digit_rows(4096))

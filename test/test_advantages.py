@@ -20,7 +20,9 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 from skyrl.train.config import AlgorithmConfig
 
-from rllm_skyrl.advantages import (
+from rllm_skyrl.data.adapter import BatchConfig, trajectory_groups_to_batch
+from rllm_skyrl.run_config.losses import resolve_loss
+from rllm_skyrl.update.advantages import (
     LOSS_REDUCTIONS,
     BatchAdvantages,
     add_gae_advantages,
@@ -29,8 +31,6 @@ from rllm_skyrl.advantages import (
     outcome_advantages,
     zero_variance,
 )
-from rllm_skyrl.data_adapter import BatchConfig, trajectory_groups_to_batch
-from rllm_skyrl.losses import resolve_loss
 
 HYPOTHESIS = settings(max_examples=40, deadline=None)
 EPS = 1e-6

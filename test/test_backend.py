@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from examples.simple_math.task import digit_reward, make_rows, reward_fn
 from rllm_skyrl.backend import SkyRLBackend
 from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.run_config import with_aliases
-from rllm_skyrl.run_log import read_metrics
 from rllm_skyrl.training_run import train
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 
 def unified_config(tmp_path, *overrides: str):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, right_aligned
+from rllm_skyrl.data.batch_layout import RowSpec, Span, build_rows, right_aligned
 
 ids = st.lists(st.integers(0, 2**40), min_size=1, max_size=9)
 reals = st.floats(-1e6, 1e6, allow_subnormal=True, width=64)

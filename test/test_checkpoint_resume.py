@@ -32,9 +32,9 @@ from training_runs import (
     wait,
 )
 
-from rllm_skyrl.checkpoint import CheckpointManager
-from rllm_skyrl.checkpoint_dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock
-from rllm_skyrl.rollout_sampling import RequestSeeds
+from rllm_skyrl.checkpoint.dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock
+from rllm_skyrl.checkpoint.manager import CheckpointManager
+from rllm_skyrl.rollout.sampling import RequestSeeds
 from rllm_skyrl.standalone import StatefulTaskDataLoader
 
 # ---------------------------------------------------------------------------- unit: the manager
@@ -147,7 +147,7 @@ def test_resume_modes(tmp_path, caplog):
     assert manager.resume("auto", None, state, workers) == 4 and state.global_step == 4
     assert workers.weights["policy"] == 40
 
-    with caplog.at_level(logging.WARNING, logger="rllm_skyrl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rllm_skyrl.checkpoint.manager"):
         assert manager.resume("disable", None, _state(), workers) is None
     assert "resume_mode=disable" in caplog.text and "up to step 4" in caplog.text
 

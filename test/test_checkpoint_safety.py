@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rllm_skyrl.checkpoint import CheckpointManager
-from rllm_skyrl.checkpoint_dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock, validate
+from rllm_skyrl.checkpoint.dirs import LATEST, STATE_FILE, CheckpointError, CheckpointLock, validate
+from rllm_skyrl.checkpoint.manager import CheckpointManager
 
 
 class DiskWorkers:
@@ -40,7 +40,7 @@ def saved(root: Path, step: int = 2) -> CheckpointManager:
 HOLD_LOCK = textwrap.dedent(
     """
     import sys, time
-    from rllm_skyrl.checkpoint_dirs import CheckpointLock
+    from rllm_skyrl.checkpoint.dirs import CheckpointLock
     lock = CheckpointLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(120)
@@ -123,7 +123,7 @@ def test_validate_needs_no_workers(tmp_path):
 
 
 def test_a_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
-    from rllm_skyrl.run_log import MetricsFile, read_metrics
+    from rllm_skyrl.run.metrics_file import MetricsFile, read_metrics
 
     file = MetricsFile(tmp_path)
     file.append(1, {"reward/mean": 0.5})

@@ -12,9 +12,9 @@ import ray
 from helpers import FP32, PAIRS, sft_batch
 
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.rollout_servers import colocated_placement_group
+from rllm_skyrl.rollout.servers import colocated_placement_group
 from rllm_skyrl.run_config import make_skyrl_config
-from rllm_skyrl.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
+from rllm_skyrl.update.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

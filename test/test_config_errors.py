@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rllm_skyrl.launcher import main as rllm_skyrl_cli
+from rllm_skyrl.cli import main as rllm_skyrl_cli
 from rllm_skyrl.run_config.values import RULES
 
 REPO = Path(__file__).resolve().parent.parent

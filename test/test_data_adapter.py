@@ -15,15 +15,15 @@ from hypothesis import strategies as st
 from skyrl.backends.skyrl_train.workers.worker_utils import BaseBatchIterator
 from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
 
-from rllm_skyrl import step_reads
-from rllm_skyrl.batch_layout import PAD_ROW_ID
-from rllm_skyrl.data_adapter import (
+from rllm_skyrl.data import step_reads
+from rllm_skyrl.data.adapter import (
     BatchConfig,
     EmptyBatchError,
     sft_examples_to_batch,
     trajectory_groups_to_batch,
 )
-from rllm_skyrl.trajectory_checks import MalformedTrajectoryError
+from rllm_skyrl.data.batch_layout import PAD_ROW_ID
+from rllm_skyrl.data.trajectory_checks import MalformedTrajectoryError
 
 PAD = 0
 HYPOTHESIS = settings(max_examples=40, deadline=None)

@@ -12,7 +12,8 @@ import torch
 from helpers import async_wait_until
 
 from rllm_skyrl import rllm_api as rllm
-from rllm_skyrl.engine import (
+from rllm_skyrl.inference import InferenceServer
+from rllm_skyrl.rollout.engine import (
     MAX_PROMPT_LENGTH_EXCEEDED,
     MAX_RESPONSE_LENGTH_EXCEEDED,
     ModelOutput,
@@ -20,7 +21,6 @@ from rllm_skyrl.engine import (
     TokenOutput,
     termination_reason,
 )
-from rllm_skyrl.inference import InferenceServer
 
 MESSAGES = [{"role": "user", "content": "what is 3 plus 4?"}]
 WAIT = 60.0  # seconds any one wait on a server may take before the test fails

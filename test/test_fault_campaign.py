@@ -17,7 +17,7 @@ import psutil
 import pytest
 from training_runs import Run, assert_ok, descendants, launch, reap, train_env, train_task_ids_by_step, wait
 
-from rllm_skyrl.checkpoint_dirs import LATEST
+from rllm_skyrl.checkpoint.dirs import LATEST
 
 pytestmark = pytest.mark.slow
 STEPS = 6

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from rllm_skyrl.launcher import plan
+from rllm_skyrl.cli import plan
 
 REPO = Path(__file__).resolve().parent.parent
 

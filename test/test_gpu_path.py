@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from rllm_skyrl import rollout_servers
 from rllm_skyrl import runtime as runtime_module
+from rllm_skyrl.cli import plan
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.launcher import plan
-from rllm_skyrl.rollout_servers import start_servers
+from rllm_skyrl.rollout import servers as rollout_servers
+from rllm_skyrl.rollout.servers import start_servers
 from rllm_skyrl.run_config import ConfigError
-from rllm_skyrl.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
+from rllm_skyrl.update.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = str(REPO / "config")
@@ -199,8 +199,8 @@ def test_actor_groups_are_built_as_skyrls_trainer_builds_them(monkeypatch, coloc
     """Arguments to SkyRL's PPORayActorGroup and WorkerDispatch, bound to their real signatures."""
     from skyrl.backends.skyrl_train.workers import worker, worker_dispatch
 
-    from rllm_skyrl import workers as workers_module
     from rllm_skyrl.run_config import make_skyrl_config
+    from rllm_skyrl.update import workers as workers_module
 
     calls: list = []
     real_group = worker.PPORayActorGroup

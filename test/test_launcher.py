@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import PAIRS, descendants, hf_logprobs, reap, sft_batch, skyrl_overrides, wait_until
 
-from rllm_skyrl.launcher import main, plan
+from rllm_skyrl.cli import main, plan
 
 
 def test_plan_shows_placement_and_resolved_config_without_starting_anything():

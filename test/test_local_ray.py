@@ -122,7 +122,7 @@ def _record_start_ray(monkeypatch, launched=None):
     monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: calls["inits"].append(kwargs))
     monkeypatch.setattr(ray_cluster, "runtime_env_for", lambda *a, **k: {})
     monkeypatch.setattr(ray_cluster.compat, "prepare_driver", lambda platform: [])
-    monkeypatch.setattr(ray_cluster.stop_signals, "after_ray_init", lambda: None)
+    monkeypatch.setattr(ray_cluster.sigterm, "after_ray_init", lambda: None)
     return ray_cluster, calls
 
 

@@ -27,15 +27,15 @@ from rllm_harness import (
 )
 from training_runs import Run, assert_ok, launch, train_env, train_task_ids_by_step, wait
 
-from rllm_skyrl import weight_sync
-from rllm_skyrl.engine import SkyRLEngine, policy_model_name
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.rollout_servers import start_cpu_servers
+from rllm_skyrl.rollout import weight_sync
+from rllm_skyrl.rollout.engine import SkyRLEngine, policy_model_name
+from rllm_skyrl.rollout.servers import start_cpu_servers
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.run_config import ConfigError, resolve_run_config
 from rllm_skyrl.run_config.lora import matched_modules, module_kinds, targets_for
-from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.models import ModelRegistry
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 CPU = Platform(cuda=False)
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, ppo_critic_loss
 from skyrl.train.config import AlgorithmConfig
 
-from rllm_skyrl.losses import LOSS_NAMES, accepted_config_keys, resolve_loss
+from rllm_skyrl.run_config.losses import LOSS_NAMES, accepted_config_keys, resolve_loss
 
 
 def merged_algorithm_config(skyrl_config: dict) -> AlgorithmConfig:

@@ -29,8 +29,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rllm_skyrl.data_adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
-from rllm_skyrl.trajectory_checks import LOGPROB_TOLERANCE, MalformedTrajectoryError
+from rllm_skyrl.data.adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
+from rllm_skyrl.data.trajectory_checks import LOGPROB_TOLERANCE, MalformedTrajectoryError
 
 VOCAB = 64
 CONFIG = BatchConfig(

@@ -13,13 +13,12 @@ from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, ppo_critic_loss
 
-from rllm_skyrl import off_policy
-from rllm_skyrl.batch_layout import right_aligned
-from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.losses import resolve_loss
-from rllm_skyrl.models import ModelRegistry
-from rllm_skyrl.run_config import make_skyrl_config
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.data.adapter import sft_examples_to_batch
+from rllm_skyrl.data.batch_layout import right_aligned
+from rllm_skyrl.run_config import losses, make_skyrl_config
+from rllm_skyrl.run_config.losses import resolve_loss
+from rllm_skyrl.update.models import ModelRegistry
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 PAIRS = [("what is 3?", "3"), ("what is 7 plus 2?", "9"), ("what is 12?", "1 2"), ("what is 5?", "5")]
 
@@ -210,7 +209,7 @@ def test_the_configured_loss_reaches_the_workers_without_a_name_or_overrides(tin
     assert sent("cispo")["loss_fn"] == "cispo"
     registry.set_algorithm_config("pol", eps_clip_low=0.1, eps_clip_high=0.1)
     # Another loss whose every override the workers already hold: its name alone, no config to merge.
-    assert sent(off_policy.decoupled(resolve_loss("policy", "ppo"))) == {
+    assert sent(losses.decoupled(resolve_loss("policy", "ppo"))) == {
         "loss_fn": "rllm_skyrl_decoupled:regular"
     }
     assert sent("ppo", tighter) == {}

@@ -34,14 +34,14 @@ from rllm_harness import (
 from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 from skyrl.train.config import AlgorithmConfig
 
-from rllm_skyrl import off_policy
-from rllm_skyrl.launcher import main as rllm_skyrl_cli
-from rllm_skyrl.losses import resolve_loss
+from rllm_skyrl.cli import main as rllm_skyrl_cli
 from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
-from rllm_skyrl.run_config import ConfigError, resolve_run_config
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
+from rllm_skyrl.run_config import ConfigError, losses, resolve_run_config
+from rllm_skyrl.run_config.losses import resolve_loss
 from rllm_skyrl.training_run import train
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update import off_policy
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 TIS = "rllm.algorithm.rollout_correction.tis_mode"
 BYPASS = "rllm.algorithm.rollout_correction.bypass_mode"
@@ -77,7 +77,7 @@ def test_without_tis_the_losses_are_skyrls_own():
 def test_bypass_mode_trains_the_decoupled_loss_and_recomputation_skyrls(loss_fn):
     bypass = resolve(f"{TIS}=token", f"rllm.algorithm.loss_fn={loss_fn}")
     base = resolve_loss("policy", loss_fn)
-    assert bypass.off_policy.decoupled and off_policy.is_decoupled(bypass.policy_loss.skyrl_loss_name)
+    assert bypass.off_policy.decoupled and losses.is_decoupled(bypass.policy_loss.skyrl_loss_name)
     assert bypass.policy_loss.skyrl_loss_name.endswith(f":{base.skyrl_loss_name}")
     assert bypass.policy_loss.skyrl_config == base.skyrl_config  # SkyRL's ppo asserts policy_loss_type
     recomputed = resolve(f"{TIS}=token", f"rllm.algorithm.loss_fn={loss_fn}", f"{BYPASS}=false")
@@ -135,7 +135,7 @@ def test_per_role_losses_set_in_code_are_checked_and_decoupled_too():
     """As rLLM's ``AlgorithmConfig`` carries them: ``estimator_map`` and ``loss_fn_map``."""
     run = resolve(f"{TIS}=token")
     config = SimpleNamespace(estimator_map={"judge": "grpo"}, loss_fn_map={"judge": "cispo"})
-    assert off_policy.is_decoupled(run.with_algorithm_config(config).loss_for("judge").skyrl_loss_name)
+    assert losses.is_decoupled(run.with_algorithm_config(config).loss_for("judge").skyrl_loss_name)
     refused = SimpleNamespace(estimator_map={"judge": "reinforce"}, loss_fn_map={})
     with pytest.raises(ConfigError, match=r"the loss of trajectory role 'judge' \('importance_sampling'\)"):
         run.with_algorithm_config(refused)

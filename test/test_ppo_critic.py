@@ -8,7 +8,7 @@ import pytest
 from helpers import compose_example, run_dirs
 
 from examples.simple_math.task import digit_reward, make_rows
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.training_run import train
 
 STEPS = 220

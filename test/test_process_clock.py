@@ -12,7 +12,11 @@ TICK_S = 0.01  # Linux counts a process's start in clock ticks of 10 ms
 def test_a_process_knows_when_it_started_to_the_clock_tick():
     before = time.time()
     child = subprocess.run(
-        [sys.executable, "-c", "from rllm_skyrl.process_clock import process_started_at as s; print(s())"],
+        [
+            sys.executable,
+            "-c",
+            "from rllm_skyrl.run.process_clock import process_started_at as s; print(s())",
+        ],
         capture_output=True,
         text=True,
         check=True,

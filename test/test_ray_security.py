@@ -22,7 +22,7 @@ PROBE = textwrap.dedent(
     import httpx, psutil, ray
     from rllm_skyrl.run_config import make_skyrl_config
     from rllm_skyrl.ray_cluster import start_ray
-    from rllm_skyrl.rollout_servers import start_cpu_servers
+    from rllm_skyrl.rollout.servers import start_cpu_servers
     from rllm_skyrl.tiny_model import build_tiny_model
 
     start_ray(make_skyrl_config(), num_cpus=2)

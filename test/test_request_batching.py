@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.inference import InferenceServer
 from rllm_skyrl.inference.openai_api import MAX_CHOICES
-from rllm_skyrl.request_batching import MAX_SAMPLES, SampleBatcher, sample_params
+from rllm_skyrl.rollout.engine import SkyRLEngine
+from rllm_skyrl.rollout.request_batching import MAX_SAMPLES, SampleBatcher, sample_params
 
 PROMPT = [1, 2, 3]
 

@@ -17,9 +17,9 @@ import pytest
 from helpers import compose_unified
 from rllm_harness import digit_run, requires_rllm
 
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.run_config import resolve_run_config
-from rllm_skyrl.run_log import read_metrics
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 REPO = Path(__file__).resolve().parent.parent
 

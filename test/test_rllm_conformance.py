@@ -26,9 +26,9 @@ from rllm_harness import (
 )
 
 from examples.simple_math.task import DATA_SOURCE, reward_fn
-from rllm_skyrl import advantages
 from rllm_skyrl import rllm_api as rllm_compat
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
+from rllm_skyrl.update import advantages
 
 pytestmark = [requires_rllm, pytest.mark.usefixtures("ray_cluster")]
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from rllm_skyrl.compat.rllm_tracking import add_sinks
-from rllm_skyrl.run_console import TRAINER_OUTPUT, ProgressBar, trainer_output
-from rllm_skyrl.run_log import MetricsSink, read_metrics
+from rllm_skyrl.run.console import TRAINER_OUTPUT, ProgressBar, trainer_output
+from rllm_skyrl.run.metrics_file import MetricsSink, read_metrics
 from rllm_skyrl.secret_masking import REDACTED, SecretMasker, redact
 
 SECRET = "sk-live-0123456789abcdef"
@@ -175,7 +175,7 @@ def drawn_panels(monkeypatch) -> list[dict[str, dict[str, tuple[list, list]]]]:
 
 
 def test_plot_run_draws_the_series_that_exist(tmp_path, monkeypatch):
-    from rllm_skyrl.plot import plot_run
+    from rllm_skyrl.run.plot import plot_run
 
     figures = drawn_panels(monkeypatch)
     trainer_logger = TrainerLogger()

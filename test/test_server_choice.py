@@ -11,8 +11,8 @@ import socket
 import pytest
 from helpers import compose_unified
 
-from rllm_skyrl import rollout_servers as servers
 from rllm_skyrl.hardware import Platform
+from rllm_skyrl.rollout import servers
 from rllm_skyrl.run_config import resolve_run_config
 
 URLS = ["http://10.1.2.3:8000", "http://10.1.2.4:8000"]

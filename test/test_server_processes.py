@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rllm_skyrl.engine import SkyRLEngine
-from rllm_skyrl.rollout_servers import (
+from rllm_skyrl.rollout.engine import SkyRLEngine
+from rllm_skyrl.rollout.servers import (
     ServerGroup,
     external_servers,
     looks_like_credential,
@@ -148,7 +148,7 @@ def test_the_cli_refuses_a_public_host_without_a_token(tiny_model_dir):
 ORPHAN_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from rllm_skyrl.rollout_servers import start_cpu_servers
+    from rllm_skyrl.rollout.servers import start_cpu_servers
 
     group = start_cpu_servers(sys.argv[1], 1, sys.argv[2], weights_root=sys.argv[2])
     print(group.processes[0].pid, group.urls[0].rsplit("@", 1)[1], flush=True)

@@ -13,7 +13,7 @@ from helpers import compose_example, hf_logprobs, run_dirs
 
 from examples.sft.task import digit_reward, make_rows
 from examples.sft.train import encode, train_sft
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.training_run import train
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 
-from rllm_skyrl.checkpoint import failure_report
+from rllm_skyrl.checkpoint.manager import failure_report
 
 # The signal is raised from inside a task other than the main one: Python runs the handler in that
 # task's frame, as it does when SIGTERM lands while an HTTP client's task writes to a socket.
 _RUN = """
 import asyncio, os, signal, sys, time
-from rllm_skyrl import stop_signals
-from rllm_skyrl.launcher import clean_stop
+from rllm_skyrl.compat import sigterm as stop_signals
+from rllm_skyrl.run.exits import clean_stop
 
 async def request():
     try:

@@ -25,7 +25,7 @@ from rllm_skyrl.records import (
     Trajectory,
     TrajectoryGroup,
 )
-from rllm_skyrl.run_log import MetricsSink, read_metrics
+from rllm_skyrl.run.metrics_file import MetricsSink, read_metrics
 from rllm_skyrl.standalone import (
     SimpleWorkflow,
     StatefulTaskDataLoader,

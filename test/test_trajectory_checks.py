@@ -16,8 +16,8 @@ import pytest
 import torch
 from helpers import Step, Trajectory, TrajectoryGroup, group_of
 
-from rllm_skyrl.data_adapter import BatchConfig, sft_examples_to_batch, trajectory_groups_to_batch
-from rllm_skyrl.trajectory_checks import (
+from rllm_skyrl.data.adapter import BatchConfig, sft_examples_to_batch, trajectory_groups_to_batch
+from rllm_skyrl.data.trajectory_checks import (
     LOGPROB_TOLERANCE,
     MalformedTrajectoryError,
     group_role,

@@ -26,9 +26,9 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import compute_approx_kl
 from rllm_skyrl import ray_cluster, runtime
 from rllm_skyrl.backend import SkyRLBackend
 from rllm_skyrl.rllm_names import Episode, Step, Trajectory, Workflow
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.training_run import train
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -161,7 +161,7 @@ def test_a_png_is_drawn_at_the_end_and_on_demand(straight, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     out = tmp_path / "again.png"
     result = subprocess.run(
-        [sys.executable, "-m", "rllm_skyrl.plot", str(straight.run_dir), "--out", str(out)],
+        [sys.executable, "-m", "rllm_skyrl.run.plot", str(straight.run_dir), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -169,7 +169,10 @@ def test_a_png_is_drawn_at_the_end_and_on_demand(straight, tmp_path):
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()) == out and out.read_bytes()[:4] == b"\x89PNG"
     result = subprocess.run(
-        [sys.executable, "-m", "rllm_skyrl.plot", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "rllm_skyrl.run.plot", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0 and "no metrics.jsonl" in result.stderr
 
@@ -225,7 +228,7 @@ def test_logprob_gap_metrics_equal_a_row_by_row_computation():
     """Rows of every length (none, some, the full window) under a random loss mask."""
     import torch
 
-    from rllm_skyrl.metrics import logprob_gap_metrics
+    from rllm_skyrl.run.metrics import logprob_gap_metrics
 
     generator = torch.Generator().manual_seed(0)
     rows, width = 64, 5

@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import PAIRS, hf_state, server_vs_trainer, sft_batch, skyrl_config
 
-from rllm_skyrl import weight_sync
-from rllm_skyrl.engine import SkyRLEngine
 from rllm_skyrl.hardware import Platform
-from rllm_skyrl.rollout_servers import start_cpu_servers
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.rollout import weight_sync
+from rllm_skyrl.rollout.engine import SkyRLEngine
+from rllm_skyrl.rollout.servers import start_cpu_servers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 # Server and trainer both run the model in fp32 with the same math, so a token's logprob may
 # differ only by float rounding (batched decode with a KV cache vs one full forward).

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import PAIRS, exported_weights, hf_logprobs, hf_state, sft_batch, skyrl_config
 
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

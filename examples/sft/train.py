@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
 from rllm_skyrl.compat.output_masking import mask_process_output
-from rllm_skyrl.data_adapter import sft_examples_to_batch
-from rllm_skyrl.launcher import clean_stop, one_line_errors, quiet_libraries
+from rllm_skyrl.compat.quiet_logs import quiet_libraries
+from rllm_skyrl.data.adapter import sft_examples_to_batch
+from rllm_skyrl.run.exits import clean_stop, one_line_errors
 from rllm_skyrl.run_config import resolve_run_config
 from rllm_skyrl.runtime import Runtime
 

@@ -4,7 +4,7 @@ The per-role losses rLLM users set in code come later, with the trainer's ``Algo
 (``RunConfig.with_algorithm_config``), by the same default and the same off-policy checks.
 Off-policy correction is resolved once SkyRL's config exists: it decides whether each policy loss
 can apply it, and in bypass mode trains every loss through its decoupled variant
-(``rllm_skyrl.off_policy`` says why).
+(``rllm_skyrl.update.off_policy`` says why).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rllm_skyrl import losses, off_policy
+from rllm_skyrl.run_config import losses
 from rllm_skyrl.run_config.tree import select
 
 # rLLM's outcome estimators (``advantages``); GAE is SkyRL's and needs a critic.
@@ -137,13 +137,13 @@ class OffPolicySettings:
         """``loss`` as the run trains it. Raises ``ValueError`` when it cannot apply the correction."""
         if self.setting is None:
             return loss
-        reason = off_policy.uncorrected_reason(loss, self.cispo_anchor)
+        reason = losses.uncorrected_reason(loss, self.cispo_anchor)
         if reason is not None:
             raise ValueError(
                 f"{self.setting} cannot apply to {who}: {reason}; use ppo, gspo or cispo there "
                 "(SkyRL's losses that apply it)"
             )
-        return off_policy.decoupled(loss) if self.decoupled else loss
+        return losses.decoupled(loss) if self.decoupled else loss
 
 
 def off_policy_settings(cfg: DictConfig, skyrl_cfg: Any, bypass_mode: bool) -> OffPolicySettings:

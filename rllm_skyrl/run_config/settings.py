@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rllm_skyrl import losses
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.hardware import Platform
+from rllm_skyrl.run_config import losses
 from rllm_skyrl.run_config.algorithm import OffPolicySettings, default_policy_loss
 from rllm_skyrl.run_config.lora import LoraSettings
 

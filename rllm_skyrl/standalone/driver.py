@@ -26,11 +26,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from rllm_skyrl.advantages import reward_metrics
-from rllm_skyrl.metrics import KL_KEYS
+from rllm_skyrl.run.metrics import KL_KEYS
 from rllm_skyrl.standalone.dataloader import StatefulTaskDataLoader
 from rllm_skyrl.standalone.episodes import episode_metrics, group_trajectories, validation_metrics
 from rllm_skyrl.standalone.workflow import WorkflowEngine
+from rllm_skyrl.update.advantages import reward_metrics
 
 logger = logging.getLogger(__name__)
 

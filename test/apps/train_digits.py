@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from rllm_skyrl import checkpoint_dirs
+from rllm_skyrl.checkpoint import dirs as checkpoint_dirs
 from rllm_skyrl.rllm_names import Episode, Step, TerminationReason, Trajectory, Workflow
 from rllm_skyrl.training_run import train
 

@@ -16,10 +16,10 @@ import time
 import ray
 from transformers import AutoTokenizer
 
-from rllm_skyrl.data_adapter import sft_examples_to_batch
+from rllm_skyrl.data.adapter import sft_examples_to_batch
 from rllm_skyrl.ray_cluster import start_ray
 from rllm_skyrl.run_config import make_skyrl_config
-from rllm_skyrl.workers import SkyRLWorkers
+from rllm_skyrl.update.workers import SkyRLWorkers
 
 
 def wait_for_nodes(count: int, timeout: float = 120.0) -> int:

@@ -16,8 +16,8 @@ import torch
 from omegaconf import OmegaConf
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
-from rllm_skyrl.batch_layout import right_aligned
-from rllm_skyrl.losses import ResolvedLoss
+from rllm_skyrl.data.batch_layout import right_aligned
+from rllm_skyrl.run_config.losses import ResolvedLoss
 
 _MASK_GRADIENT_LOSSES = ("regular", "importance_sampling", "cispo", "dppo")
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rllm_skyrl.batch_layout import RowSpec, Span
-from rllm_skyrl.step_reads import StepRun, step_run
-from rllm_skyrl.trajectory_checks import (
+from rllm_skyrl.data.batch_layout import RowSpec, Span
+from rllm_skyrl.data.step_reads import StepRun, step_run
+from rllm_skyrl.data.trajectory_checks import (
     RowRules,
     check_group_id,
     check_role,
@@ -24,7 +24,7 @@ from rllm_skyrl.trajectory_checks import (
     trajectory_label,
     trajectory_steps,
 )
-from rllm_skyrl.value_checks import MalformedTrajectoryError, real_scalar
+from rllm_skyrl.data.value_checks import MalformedTrajectoryError, real_scalar
 
 
 @dataclass

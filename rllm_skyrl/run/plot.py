@@ -1,4 +1,4 @@
-"""Training curves from a run directory: ``python -m rllm_skyrl.plot RUN_DIR [--out PATH]``.
+"""Training curves from a run directory: ``python -m rllm_skyrl.run.plot RUN_DIR [--out PATH]``.
 
 Reads ``RUN_DIR/metrics.jsonl``, written while training, so this also works on a run that is still
 going or that died.
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rllm_skyrl.metrics import KL_KEYS
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics import KL_KEYS
+from rllm_skyrl.run.metrics_file import read_metrics
 
 TIME_KEYS = ("time/step", "time/generate", "time/forward_backward", "time/testing")
 
@@ -95,7 +95,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rllm_skyrl.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m rllm_skyrl.run.plot", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     parser.add_argument("--out", help="where to write the PNG (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 POLICY = "policy"
@@ -187,3 +187,44 @@ def resolve_loss(role: str, loss_fn: str, loss_fn_config: Mapping[str, Any] | No
             node = node.setdefault(part, {})
         node[option.path[-1]] = option.convert(f"loss_fn {name!r}: {key}", value)
     return ResolvedLoss(role, name, spec.skyrl_name, skyrl_config, spec.uses_advantages)
+
+
+# Off-policy correction per loss (the weighting itself runs in rllm_skyrl.update.off_policy).
+DECOUPLED_PREFIX = "rllm_skyrl_decoupled:"
+
+# Tinker losses whose SkyRL loss never applies off-policy correction, or whose ratio already is one.
+_UNCORRECTED = {
+    "cross_entropy": "SkyRL's cross_entropy is supervised: no ratio, no advantages, no off-policy correction",
+    "importance_sampling": (
+        "SkyRL's importance_sampling applies no off-policy correction (its own ratio is the uncapped pi/old)"
+    ),
+    "dppo": (
+        "dppo takes its ratio and its mask against the rollout log-probs already (the sampler is "
+        "its behaviour policy), so TIS would weigh the same gap twice"
+    ),
+}
+_ROLLOUT_ANCHORED_CISPO = (
+    "cispo with cispo_anchor='rollout' takes its ratio against the rollout log-probs already, so "
+    "TIS would weigh the same gap twice (SkyRL's cispo refuses the pair)"
+)
+
+
+def uncorrected_reason(loss: ResolvedLoss, default_cispo_anchor: str = "old") -> str | None:
+    """Why SkyRL's off-policy correction cannot apply to ``loss``; None when it does.
+
+    ``default_cispo_anchor``: the run's ``trainer.algorithm.cispo.cispo_anchor``.
+    """
+    if loss.loss_fn == "cispo":
+        anchor = loss.skyrl_config.get("cispo", {}).get("cispo_anchor", default_cispo_anchor)
+        return _ROLLOUT_ANCHORED_CISPO if anchor == "rollout" else None
+    return _UNCORRECTED.get(loss.loss_fn)
+
+
+def decoupled(loss: ResolvedLoss) -> ResolvedLoss:
+    """``loss`` computed by its decoupled variant (same SkyRL config: ``policy_loss_type`` stays the
+    base loss, which SkyRL's ppo loss asserts)."""
+    return replace(loss, skyrl_loss_name=DECOUPLED_PREFIX + str(loss.skyrl_loss_name))
+
+
+def is_decoupled(skyrl_loss_name: str | None) -> bool:
+    return bool(skyrl_loss_name) and skyrl_loss_name.startswith(DECOUPLED_PREFIX)

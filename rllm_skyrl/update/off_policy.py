@@ -15,49 +15,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import Any
 
-from rllm_skyrl.losses import ResolvedLoss
-
-_DECOUPLED = "rllm_skyrl_decoupled:"
-
-# Tinker losses whose SkyRL loss never applies off-policy correction, or whose ratio already is one.
-_UNCORRECTED = {
-    "cross_entropy": "SkyRL's cross_entropy is supervised: no ratio, no advantages, no off-policy correction",
-    "importance_sampling": (
-        "SkyRL's importance_sampling applies no off-policy correction (its own ratio is the uncapped pi/old)"
-    ),
-    "dppo": (
-        "dppo takes its ratio and its mask against the rollout log-probs already (the sampler is "
-        "its behaviour policy), so TIS would weigh the same gap twice"
-    ),
-}
-_ROLLOUT_ANCHORED_CISPO = (
-    "cispo with cispo_anchor='rollout' takes its ratio against the rollout log-probs already, so "
-    "TIS would weigh the same gap twice (SkyRL's cispo refuses the pair)"
-)
-
-
-def uncorrected_reason(loss: ResolvedLoss, default_cispo_anchor: str = "old") -> str | None:
-    """Why SkyRL's off-policy correction cannot apply to ``loss``; None when it does.
-
-    ``default_cispo_anchor``: the run's ``trainer.algorithm.cispo.cispo_anchor``.
-    """
-    if loss.loss_fn == "cispo":
-        anchor = loss.skyrl_config.get("cispo", {}).get("cispo_anchor", default_cispo_anchor)
-        return _ROLLOUT_ANCHORED_CISPO if anchor == "rollout" else None
-    return _UNCORRECTED.get(loss.loss_fn)
-
-
-def decoupled(loss: ResolvedLoss) -> ResolvedLoss:
-    """``loss`` computed by its decoupled variant (same SkyRL config: ``policy_loss_type`` stays the
-    base loss, which SkyRL's ppo loss asserts)."""
-    return replace(loss, skyrl_loss_name=_DECOUPLED + str(loss.skyrl_loss_name))
-
-
-def is_decoupled(skyrl_loss_name: str | None) -> bool:
-    return bool(skyrl_loss_name) and skyrl_loss_name.startswith(_DECOUPLED)
+from rllm_skyrl.run_config.losses import DECOUPLED_PREFIX, is_decoupled
 
 
 @functools.cache
@@ -103,4 +63,4 @@ def register(skyrl_loss_names: Iterable[str]) -> None:
     available = set(PolicyLossRegistry.list_available())
     for name in skyrl_loss_names:
         if is_decoupled(name) and name not in available:
-            PolicyLossRegistry.register(name, DecoupledLoss(name.removeprefix(_DECOUPLED)))
+            PolicyLossRegistry.register(name, DecoupledLoss(name.removeprefix(DECOUPLED_PREFIX)))

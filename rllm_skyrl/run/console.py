@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from rllm_skyrl.compat.rllm_metrics_table import plain_tables
-from rllm_skyrl.run_log import read_metrics
+from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.secret_masking import MaskedStream
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
 
 
 def finish_run(run_dir: str | Path) -> None:
-    from rllm_skyrl.plot import plot_run  # matplotlib: only once there is something to draw
+    from rllm_skyrl.run.plot import plot_run  # matplotlib: only once there is something to draw
 
     run_dir = Path(run_dir)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []

@@ -29,10 +29,10 @@ from skyrl.backends.skyrl_train.utils.ppo_utils import (
 )
 
 from rllm_skyrl import rllm_api
-from rllm_skyrl.batch_layout import real_rows
+from rllm_skyrl.data.batch_layout import real_rows
+from rllm_skyrl.data.trajectory_checks import group_role, trajectory_reward
 from rllm_skyrl.run_config.algorithm import OUTCOME_ESTIMATORS as ESTIMATORS
 from rllm_skyrl.run_config.algorithm import SKYRL_LOSS_REDUCTIONS
-from rllm_skyrl.trajectory_checks import group_role, trajectory_reward
 
 # A group whose rewards spread less than this carries no learning signal (rLLM's tolerance).
 ZERO_VARIANCE_STD = 1e-8

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rllm_skyrl.batch_layout import right_aligned
+from rllm_skyrl.data.batch_layout import right_aligned
 
 # Sampler-vs-trainer and policy-vs-reference KL, in the order dashboards and plots prefer them.
 KL_KEYS = ("train/kl", "train/kl_sample_train_v1", "train/kl_sample_train_v2", "policy/kl")

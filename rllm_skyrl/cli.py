@@ -1,82 +1,13 @@
-"""What a Hydra entry point wraps its work in, and ``rllm-skyrl plan`` for clusters."""
+"""``rllm-skyrl``: the command line (``plan`` for clusters)."""
 
 from __future__ import annotations
 
-import atexit
-import gc
-import logging
-import os
-import signal
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from rllm_skyrl import stop_signals
-from rllm_skyrl.errors import UserFacingError
+from rllm_skyrl.compat.quiet_logs import quiet_libraries
+from rllm_skyrl.run.exits import one_line_errors
 
-__all__ = ["clean_stop", "main", "one_line_errors", "plan", "quiet_libraries"]
-
-
-@contextmanager
-def one_line_errors(always: bool = False) -> Iterator[None]:
-    """On the command line (a Hydra app, or ``always``), a setting or file the user must fix is one
-    line on stderr and exit code 2, not a traceback; library callers get the exception."""
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        yield
-    except UserFacingError as error:
-        if not (always or HydraConfig.initialized()):
-            raise
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-
-
-@contextmanager
-def clean_stop(always: bool = False) -> Iterator[None]:
-    """A run stopped by Ctrl-C or SIGTERM shuts down what it started and exits within seconds.
-
-    Python's default SIGTERM skips ``finally`` blocks: Ray's agents would outlive the run by half a
-    minute. With this, SIGTERM unwinds like Ctrl-C (``stop_signals``). On the command line (a Hydra
-    app, or ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and live
-    objects are frozen at exit: the interpreter's last garbage collection would otherwise walk
-    everything torch, Ray and transformers loaded, 5 s on two busy cores.
-    """
-    from hydra.core.hydra_config import HydraConfig
-
-    handler_set = stop_signals.install()
-    command_line = always or HydraConfig.initialized()
-    if command_line:
-        atexit.register(gc.freeze)
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit) as stop:
-        terminated = (handler_set and stop_signals.received()) or (
-            # Ray's own handler, where this one could not be installed (a worker thread's run)
-            isinstance(stop, SystemExit) and stop.code == signal.SIGTERM
-        )
-        if not command_line or not (terminated or isinstance(stop, KeyboardInterrupt)):
-            raise
-        print(f"stopped by {'SIGTERM' if terminated else 'Ctrl-C'}", file=sys.stderr, flush=True)
-        raise SystemExit(143 if terminated else 130) from None
-    finally:
-        if handler_set:
-            stop_signals.uninstall()
-
-
-def quiet_libraries(level: str | None = None) -> None:
-    """Keep the console for the run: SkyRL's start-up notes and per-request HTTP lines go
-    (``RLLM_SKYRL_LOG_LEVEL=INFO`` brings them back; the run's ``logs/`` has them too)."""
-    import skyrl.utils.log  # noqa: F401  (sets SkyRL's logger to DEBUG on import: import it first)
-
-    level = (level or os.environ.get("RLLM_SKYRL_LOG_LEVEL") or "WARNING").upper()
-    for name in ("httpx", "skyrl", "ray"):
-        logging.getLogger(name).setLevel(level)
-    from loguru import logger as loguru_logger
-
-    loguru_logger.remove()
-    loguru_logger.add(sys.stderr, level=level)
+__all__ = ["main", "plan", "placement_summary"]
 
 
 def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:

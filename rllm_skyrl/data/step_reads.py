@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from rllm_skyrl.trajectory_checks import LOGPROB_TOLERANCE, RowRules, required, trajectory_steps
-from rllm_skyrl.value_checks import IdLists, MalformedTrajectoryError, RealLists, real_scalar
+from rllm_skyrl.data.trajectory_checks import LOGPROB_TOLERANCE, RowRules, required, trajectory_steps
+from rllm_skyrl.data.value_checks import IdLists, MalformedTrajectoryError, RealLists, real_scalar
 
 # About 1 MiB of int64 ids a chunk: small enough that its buffer is still in the core's cache when
 # its rows are merged (one buffer for a whole 2 M-token batch made the conversion slower, not faster).

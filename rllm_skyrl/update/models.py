@@ -7,7 +7,7 @@ sampled but not trained, so every call here refuses it with that explanation.
 
 Per-row outputs (Tinker's ``TensorData``) hold the row's response tokens only, pad rows dropped.
 SkyRL's policy worker returns only logprobs per row for RL losses, so their ``elementwise_loss`` is
-recomputed on the driver (``rllm_skyrl.elementwise_loss``) and left out where that is not exact.
+recomputed on the driver (``rllm_skyrl.update.elementwise_loss``) and left out where that is not exact.
 SkyRL's critic worker returns metrics only from ``forward_backward``: call ``forward`` for values.
 
 ``metrics["loss"]`` is the scalar loss under one key for every path: the worker's ``loss`` for
@@ -25,9 +25,9 @@ from typing import Any
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 from skyrl.tinker.types import ForwardBackwardOutput
 
-from rllm_skyrl.batch_layout import last_tokens, pad_to_multiple, real_rows
-from rllm_skyrl.elementwise_loss import ElementwisePolicyLoss
-from rllm_skyrl.losses import CRITIC, POLICY, POLICY_LOSS_NAMES, ResolvedLoss, resolve_loss
+from rllm_skyrl.data.batch_layout import last_tokens, pad_to_multiple, real_rows
+from rllm_skyrl.run_config.losses import CRITIC, POLICY, POLICY_LOSS_NAMES, ResolvedLoss, resolve_loss
+from rllm_skyrl.update.elementwise_loss import ElementwisePolicyLoss
 
 BASE_MODEL_ID = ""
 MODEL_ROLES = (POLICY, CRITIC)
@@ -242,7 +242,7 @@ class ModelRegistry:
             )
         self.workers.save_hf_model(model.role, export_dir)
         if merged_dir is not None:
-            from rllm_skyrl.lora_merge import merge_adapter
+            from rllm_skyrl.update.lora_merge import merge_adapter
 
             merge_adapter(export_dir, merged_dir, base_model=model.base_model)
 

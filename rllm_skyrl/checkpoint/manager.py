@@ -8,7 +8,7 @@ Layout under ``root`` (``training.default_local_dir``)::
         trainer_state.json   step, data-loader position, driver RNG
     latest                   "global_step_N" of the newest complete checkpoint
 
-How steps are published atomically, locked and read back checked is ``checkpoint_dirs``.
+How steps are published atomically, locked and read back checked is ``checkpoint.dirs``.
 
 Resume modes (``training.resume_mode``): ``auto`` continues from ``latest`` if there is one,
 ``disable`` starts from step 1 whatever is on disk, ``resume_path`` loads
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rllm_skyrl.checkpoint_dirs import (
+from rllm_skyrl.checkpoint.dirs import (
     OLD_PREFIX,
     STATE_FILE,
     CheckpointError,

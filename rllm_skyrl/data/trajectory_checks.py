@@ -1,7 +1,7 @@
 """What a trajectory must satisfy to become a training row, checked field by field.
 
 Every failure is a ``MalformedTrajectoryError`` naming the episode (or trajectory), the step, the
-field and the fix; ``data_adapter`` raises it, or with ``drop_malformed`` drops and counts the
+field and the fix; ``data.adapter`` raises it, or with ``drop_malformed`` drops and counts the
 trajectory. Fields are read by attribute (rLLM's pydantic types and ``rllm_skyrl.records`` both
 work) and never coerced: a value reaches the tensors as itself (ids as int64, reals rounded to
 float32 as SkyRL's own builder does) or the trajectory is rejected. Accepted, of what is read:
@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 from numbers import Integral
 from typing import Any, Protocol
 
-from rllm_skyrl.value_checks import MalformedTrajectoryError, is_bool, real_scalar, show
+from rllm_skyrl.data.value_checks import MalformedTrajectoryError, is_bool, real_scalar, show
 
 # A sampled token's logprob is log p <= 0. Inference engines compute it as logit - logsumexp in
 # float32, where rounding can leave a value a few ulps above 0; 1e-4 covers float32 rounding at
@@ -38,7 +38,7 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 class RowRules(Protocol):
-    """The parts of ``data_adapter.BatchConfig`` the checks read."""
+    """The parts of ``data.adapter.BatchConfig`` the checks read."""
 
     allowed_roles: Collection[str] | None
     vocab_size: int | None

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from rllm_skyrl import off_policy
-from rllm_skyrl.batch_layout import real_rows, row_slice, select_rows
-from rllm_skyrl.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
+from rllm_skyrl.data.batch_layout import real_rows, row_slice, select_rows
+from rllm_skyrl.run.metrics import StepMetrics, logprob_gap_metrics, worker_metrics
+from rllm_skyrl.run_config.losses import is_decoupled
+from rllm_skyrl.update import off_policy
 
 
 class PolicyUpdate:
@@ -31,7 +32,7 @@ class PolicyUpdate:
         self.metrics = metrics
         # Losses decoupled for bypass mode (``off_policy``) are registered once the workers exist.
         names = {loss.skyrl_loss_name for loss in (run.policy_loss, *run.role_losses.values())}
-        if any(off_policy.is_decoupled(name) for name in names):
+        if any(is_decoupled(name) for name in names):
             off_policy.register(names)
         for role in run.trained_roles:
             models.create_model(role, model_role=role)

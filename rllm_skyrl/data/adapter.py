@@ -20,11 +20,11 @@ from typing import Any
 
 from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
-from rllm_skyrl.batch_layout import RowSpec, Span, build_rows, pad_to_multiple
-from rllm_skyrl.step_reads import batch_step_runs
-from rllm_skyrl.trajectory_checks import check_group, group_label
-from rllm_skyrl.trajectory_rows import NO_ADVANTAGE, Row, trajectory_rows
-from rllm_skyrl.value_checks import IdLists, MalformedTrajectoryError
+from rllm_skyrl.data.batch_layout import RowSpec, Span, build_rows, pad_to_multiple
+from rllm_skyrl.data.step_reads import batch_step_runs
+from rllm_skyrl.data.trajectory_checks import check_group, group_label
+from rllm_skyrl.data.trajectory_rows import NO_ADVANTAGE, Row, trajectory_rows
+from rllm_skyrl.data.value_checks import IdLists, MalformedTrajectoryError
 
 
 class EmptyBatchError(ValueError):

@@ -17,9 +17,9 @@ from typing import Any
 
 from rllm_skyrl import rllm_api
 from rllm_skyrl.records import ModelOutput
-from rllm_skyrl.request_batching import SampleBatcher
-from rllm_skyrl.rollout_ledger import RolloutLedger
-from rllm_skyrl.rollout_sampling import (
+from rllm_skyrl.rollout.ledger import RolloutLedger
+from rllm_skyrl.rollout.request_batching import SampleBatcher
+from rllm_skyrl.rollout.sampling import (
     DEFAULT_SAMPLING_PARAMS,
     RequestSeeds,
     continuation_seed,
@@ -70,7 +70,7 @@ class SkyRLEngine:
     workflow engine sets ``is_validation``; the backend bumps ``weight_version`` after every weight
     sync, and outputs are stamped with the version live when their request started.
 
-    ``request_seed`` (None: off) seeds every request (``rollout_sampling.RequestSeeds``): sampling
+    ``request_seed`` (None: off) seeds every request (``rollout.sampling.RequestSeeds``): sampling
     then does not depend on server RNG state, so a run resumed from a checkpoint samples exactly what
     the uninterrupted run sampled. A caller's ``seed`` wins.
     """
