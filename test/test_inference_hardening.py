@@ -11,6 +11,8 @@ import math
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from http.client import HTTPConnection
 
@@ -22,6 +24,7 @@ from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import
 
 from rllm_skyrl.inference import InferenceServer
 from rllm_skyrl.inference.checks import shown
+from rllm_skyrl.inference.http_server import PortInUseError
 from rllm_skyrl.inference.routes import build_app
 
 TOKEN = "test-token-0123456789abcdefghijklmnop"
@@ -491,3 +494,24 @@ def test_a_disconnected_clients_request_is_cancelled(server, prompt):
     assert after["cancelled"] - before.get("cancelled", 0) == 1
     decoded = after["tokens"] - before.get("tokens", 0)
     assert 1 <= decoded < 480, f"{decoded} tokens were decoded for a request abandoned early"
+
+
+def test_a_taken_port_is_one_line_naming_it(tiny_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is in use .* another --port"):
+            InferenceServer(tiny_model_dir, port=port).start()
+        command = [sys.executable, "-m", "rllm_skyrl.inference", "--model", str(tiny_model_dir)]
+        done = subprocess.run(
+            [*command, "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is in use by another process: stop that process, or pick "
+        "another --port (0 picks a free one)"
+    ]

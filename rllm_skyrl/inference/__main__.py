@@ -25,7 +25,7 @@ compat.apply(["transformers_import_cache"])  # before transformers is imported (
 
 import torch  # noqa: E402
 
-from rllm_skyrl.inference.http_server import InferenceServer, is_loopback  # noqa: E402
+from rllm_skyrl.inference.http_server import InferenceServer, PortInUseError, bind, is_loopback  # noqa: E402
 from rllm_skyrl.inference.middleware import TOKEN_ENV  # noqa: E402
 
 PARENT_POLL_SECONDS = 0.5
@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     if args.parent_pid is not None:
         watch_parent(args.parent_pid, stop)  # before loading the model, which takes seconds
+    if args.port:  # a taken port is one line before the model loads (start() binds it for good)
+        try:
+            bind(args.host, args.port).close()
+        except PortInUseError as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            sys.exit(2)
     server = InferenceServer(
         args.model,
         host=args.host,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import socket
 import threading
@@ -11,8 +12,13 @@ from pathlib import Path
 
 import uvicorn
 
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.inference.routes import build_app
 from rllm_skyrl.inference.served_model import InferenceService
+
+
+class PortInUseError(UserFacingError):
+    """The port asked for is taken: the raw ``OSError`` names neither the port nor a way out."""
 
 
 class InferenceServer:
@@ -77,13 +83,7 @@ class InferenceServer:
     def start(self, timeout: float = 30.0) -> InferenceServer:
         if self._uvicorn is not None:
             return self
-        # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket
-        # says TCP. Without it Nagle holds a response's body until the client acknowledges its
-        # headers, and the client's delayed ACK makes that 40 ms.
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        sock = bind(self.host, self.port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
@@ -125,6 +125,29 @@ class InferenceServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port); a taken port is ``PortInUseError``.
+
+    IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says
+    TCP. Without it Nagle holds a response's body until the client acknowledges its headers, and the
+    client's delayed ACK makes that 40 ms.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUseError(
+            f"port {port} on {host} is in use by another process: stop that process, or pick another "
+            "--port (0 picks a free one)"
+        ) from None
+    return sock
 
 
 def is_loopback(host: str) -> bool:
