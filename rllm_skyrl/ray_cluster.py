@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,32 @@ import ray
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import local_ray, sigterm
+from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.secret_masking import is_secret_key
 
 logger = logging.getLogger(__name__)
+
+REACH_SECONDS = 5.0
+
+
+class RayAddressError(UserFacingError):
+    """``RAY_ADDRESS`` names a cluster nothing answers for: Ray itself would retry for minutes."""
+
+
+def check_reachable(address: str) -> None:
+    """Raise ``RayAddressError`` unless something accepts a connection at ``address`` (``host:port``,
+    or ``ray://host:port``); Ray's other forms (``auto``, ``local``) are left to Ray."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_SECONDS).close()
+    except OSError as error:
+        raise RayAddressError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({error.strerror or error}); start "
+            "that cluster (ray start --head), or unset RAY_ADDRESS and the run starts a Ray of its own"
+        ) from None
 
 
 def runtime_env_for(
@@ -60,6 +83,8 @@ def start_ray(
         return False
     platform = platform or Platform.detect()
     joining = bool(os.environ.get("RAY_ADDRESS"))
+    if joining:
+        check_reachable(os.environ["RAY_ADDRESS"])
     runtime_env = runtime_env_for(platform, skyrl_cfg, log_dir, local=not joining, cpu_threads=cpu_threads)
     compat.prepare_driver(platform)
     os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -205,3 +206,21 @@ def test_train_sh_prints_one_line(tmp_path):
         timeout=600,
     )
     _assert_one_line(result.stderr, "training.learning_rate=-1: expected a number > 0", result.returncode)
+
+
+def test_a_ray_address_nothing_answers_is_one_line_before_ray(tmp_path, monkeypatch):
+    """A stale RAY_ADDRESS (its cluster gone): one line at once, where Ray would retry for minutes."""
+    with socket.socket() as closed:  # bound, not listening: connections to it are refused
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        report = _run_entry(
+            "examples.simple_math.train",
+            ["rllm.trainer.total_batches=1"],
+            [f"hydra.run.dir={tmp_path}/run", f"training.default_local_dir={tmp_path}/ckpt"],
+            tmp_path,
+        )
+    assert not report["ray_started"]
+    [result] = report["results"]
+    _assert_one_line(result["stderr"], f"RAY_ADDRESS={address}: no Ray cluster answers there", result["code"])
+    assert "unset RAY_ADDRESS" in result["stderr"]
