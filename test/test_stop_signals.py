@@ -8,6 +8,8 @@ import sys
 import textwrap
 
 import pytest
+import ray.exceptions
+import torch
 
 from rllm_skyrl.checkpoint.manager import failure_report
 
@@ -78,3 +80,20 @@ def test_ctrl_c_inside_a_task_is_still_ctrl_c():
 def test_a_stopped_run_is_reported_as_stopped_not_as_an_exception_name(stop):
     report = failure_report(stop, 2, None)
     assert report.startswith("training stopped at step 2: stopped by Ctrl-C or SIGTERM;"), report
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        MemoryError(),
+        ray.exceptions.ActorDiedError(),  # its text is set below: Ray's memory monitor's kill
+    ],
+    ids=["cuda", "python", "ray_memory_monitor"],
+)
+def test_running_out_of_memory_is_reported_with_the_settings_that_lower_it(error):
+    if isinstance(error, ray.exceptions.ActorDiedError):
+        error.error_msg = "The actor died. Memory on the node was 95% full: out of memory (raylet)"
+    report = failure_report(error, 3, None)
+    assert report.startswith("training stopped at step 3: out of memory ("), report
+    assert "skyrl.trainer.micro_train_batch_size_per_gpu" in report and "\n" not in report, report

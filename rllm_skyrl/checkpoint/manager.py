@@ -159,6 +159,22 @@ def claim_checkpoints(settings: Any, roles: tuple[str, ...]) -> tuple[Checkpoint
     return manager, lock
 
 
+MEMORY_ADVICE = (
+    "lower skyrl.trainer.micro_train_batch_size_per_gpu and micro_forward_batch_size_per_gpu, or "
+    "rllm.data.train_batch_size; on GPUs also ++skyrl.generator.inference_engine.gpu_memory_utilization"
+)
+
+
+def _out_of_memory(error: BaseException | None) -> bool:
+    """torch's (CUDA's) and Python's own, and Ray's memory monitor killing a worker: its message, on
+    whichever error carries it up (an actor's death, a task's), says "out of memory"."""
+    import ray.exceptions
+
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError, ray.exceptions.OutOfMemoryError)):
+        return True
+    return error is not None and "out of memory" in str(error).lower()
+
+
 def failure_report(error: BaseException | None, step: int, checkpoints: CheckpointManager | None) -> str:
     """One line for a run that stopped: what failed, and which checkpoint a rerun continues from."""
     import ray.exceptions
@@ -167,6 +183,8 @@ def failure_report(error: BaseException | None, step: int, checkpoints: Checkpoi
     cause = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
         cause = "stopped by Ctrl-C or SIGTERM"  # inside asyncio.run both cancel the main task
+    elif _out_of_memory(error):
+        cause = f"out of memory ({cause}); {MEMORY_ADVICE}"
     elif isinstance(error, ray.exceptions.RayActorError):
         cause = f"a SkyRL training worker died ({cause})"
     elif "No space left on device" in str(error) or getattr(error, "errno", None) == errno.ENOSPC:
