@@ -37,8 +37,9 @@ OPTIONAL: dict[str, OptionalDependency] = {
         OptionalDependency(
             "rllm",
             "training under rLLM's own trainer (rllm_skyrl.rllm_plugin)",
-            "pip install 'rllm @ git+https://github.com/rllm-org/rllm.git' "
-            "(rLLM is not on PyPI; `pip install -e <checkout>` works too)",
+            "git clone https://github.com/rllm-org/rllm.git, then run scripts/install_rllm.sh <that "
+            "checkout> from rllm-skyrl's (rLLM is not on PyPI, and pip alone would move rich and "
+            "transformers below what SkyRL needs)",
         ),
     )
 }

@@ -31,7 +31,7 @@ def absent(monkeypatch):
     [
         ("vllm", "pip install 'rllm-skyrl[gpu]'"),
         ("modal", "pip install 'rllm-skyrl[modal]'"),
-        ("rllm", "git+https://github.com/rllm-org/rllm.git"),
+        ("rllm", "scripts/install_rllm.sh <that checkout>"),
     ],
 )
 def test_missing_dependency_names_the_install_command(absent, name, command):
