@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import logging
 import sys
 import weakref
@@ -28,10 +29,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rllm_skyrl import rllm_api
+from rllm_skyrl import compat, rllm_api
 from rllm_skyrl.checkpoint.manager import CheckpointManager, failure_report
 from rllm_skyrl.data.adapter import BatchConfig, EmptyBatchError, trajectory_groups_to_batch
 from rllm_skyrl.data.batch_layout import stack_rows
+from rllm_skyrl.rollout import gateway
 from rllm_skyrl.rollout.ledger import restore_step_tokens
 from rllm_skyrl.run.metrics import StepMetrics
 from rllm_skyrl.run_config import RunConfig, resolve_run_config, trainer_keys_behind
@@ -85,7 +87,12 @@ class SkyRLBackend:
         alias of one (tinker's ``data.train_batch_size``) is copied onto it, as rLLM's launchers sync
         ``data.*`` into ``rllm.data.*``. This package's launchers pass ``with_aliases(cfg)`` already.
         """
+        why = gateway.refusal(self.config)
+        if why is not None:
+            raise ValueError(why)
         self.run = resolve_run_config(self.config)
+        if importlib.util.find_spec("rllm") is not None:  # an AgentFlow's calls go through rLLM's gateway
+            compat.apply(["rllm_gateway"])
         for key, value in trainer_keys_behind(self.config).items():  # force_add: struct configs too
             OmegaConf.update(self.config, key, value, merge=False, force_add=True)
 
@@ -310,7 +317,7 @@ class SkyRLBackend:
         shipped = await self.runtime.sync_weights(version)
         if shipped is not None:
             self.metrics.add({"perf/weight_sync_bytes": shipped})
-        self.rollout_engine.weight_version = version
+        await self.rollout_engine.publish_weight_version(version)
 
     def shutdown(self) -> None:
         """Stop what ``Runtime.start`` started, release the checkpoint directory; safe to call twice."""

@@ -1,6 +1,8 @@
 """Training under rLLM's own trainer, when rLLM is installed.
 
-Three ways in: ``UnifiedTrainer(backend_cls=SkyRLBackend, ...)`` directly (nothing from here);
+Three ways in, each training a ``workflow_class`` or an ``agent_flow`` with an ``evaluator`` (or
+``hooks``), the flow's calls going through rLLM's model gateway (``compat/rllm_gateway.py``):
+``UnifiedTrainer(backend_cls=SkyRLBackend, ...)`` directly (nothing from here);
 ``SkyRLTrainerLauncher(cfg, workflow_class=...).train()``, what rLLM's per-backend launchers do,
 through the run every entry point gets (``training_run.train``); or ``register()``, then rLLM's
 ``AgentTrainer(..., backend="skyrl")`` (the ``rllm_agent_trainer`` patch set: rLLM has no table of
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import rllm_agent_trainer
 from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE
 from rllm_skyrl.optional_deps import require
+from rllm_skyrl.rollout import gateway
 
-# rLLM routes these paths' inference through its model gateway, which only knows Tinker's and
-# verl's engines by class name; with any other engine it registers no worker and rollouts hang.
-_GATEWAY_ARGUMENTS = ("agent_flow", "evaluator", "hooks", "sandbox_backend", "sandbox_concurrency")
+# rLLM's AgentTrainer consumes these (it wires sandbox hooks from them); this launcher stands in
+# for it and provisions no sandboxes, so they are refused rather than dropped.
+_SANDBOX_ARGUMENTS = ("sandbox_backend", "sandbox_concurrency")
 
 
 class SkyRLTrainerLauncher:
@@ -47,16 +50,23 @@ class SkyRLTrainerLauncher:
         backend_args: dict | None = None,
         **kwargs: Any,
     ) -> None:
-        gateway = [name for name in _GATEWAY_ARGUMENTS if kwargs.get(name) is not None]
-        if OmegaConf.select(config, "rllm.remote_runtime.enabled", default=False):
-            gateway.append("rllm.remote_runtime.enabled")
-        if gateway:
+        sandbox = [name for name in _SANDBOX_ARGUMENTS if kwargs.get(name) is not None]
+        if sandbox:
             raise NotImplementedError(
-                f"backend={BACKEND_NAME!r} trains workflow_class workflows; {', '.join(gateway)} route "
-                "inference through rLLM's model gateway, which does not serve SkyRL's engine yet"
+                f"backend={BACKEND_NAME!r} provisions no sandboxes: drop {', '.join(sandbox)}, or pass "
+                "hooks= that set up each task's environment"
             )
-        if workflow_class is None:
-            raise ValueError(f"backend={BACKEND_NAME!r} needs workflow_class (an rLLM Workflow subclass)")
+        why = gateway.refusal(config)
+        if why is not None:
+            raise ValueError(why)
+        has_flow = kwargs.get("agent_flow") is not None
+        if has_flow and kwargs.get("evaluator") is None and kwargs.get("hooks") is None:
+            raise ValueError(f"backend={BACKEND_NAME!r}: agent_flow needs evaluator= (or hooks=) to score it")
+        if workflow_class is None and not has_flow:
+            raise ValueError(
+                f"backend={BACKEND_NAME!r} needs workflow_class (an rLLM Workflow subclass) or agent_flow "
+                "with evaluator="
+            )
         self.config = config
         self.workflow_class = workflow_class
         self.train_dataset = train_dataset
@@ -65,7 +75,7 @@ class SkyRLTrainerLauncher:
         self.store = store
         self.backend_cls = backend_cls
         self.backend_args = backend_args or {}
-        self.kwargs = {name: value for name, value in kwargs.items() if name not in _GATEWAY_ARGUMENTS}
+        self.kwargs = {name: value for name, value in kwargs.items() if value is not None}
 
     def train(self) -> None:
         unified = require("rllm", TRAINER_MODULE)

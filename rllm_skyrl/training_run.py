@@ -20,7 +20,7 @@ from rllm_skyrl import rllm_names
 
 def train(
     config: DictConfig,
-    workflow_class: str | type,
+    workflow_class: str | type | None,
     workflow_args: dict[str, Any] | None = None,
     train_dataset: Any = None,
     val_dataset: Any = None,
@@ -33,8 +33,9 @@ def train(
     """Train with the SkyRL backend; returns the run directory (``rllm.trainer.run_dir``).
 
     ``workflow_class`` may be a dotted path, rLLM's included (``rllm_names.resolve``), so it is
-    imported only once Ray is on its way; ``trainer_kwargs`` reach the trainer (rLLM's take
-    ``traj_group_adv_estimator_map``, ``store``...).
+    imported only once Ray is on its way; None with an ``agent_flow`` and ``evaluator`` (rLLM's
+    trainer only). ``trainer_kwargs`` reach the trainer (rLLM's take ``agent_flow``, ``evaluator``,
+    ``hooks``, ``traj_group_adv_estimator_map``, ``store``...).
     """
     from rllm_skyrl.compat import local_ray
 
@@ -66,7 +67,7 @@ def _plain(config: DictConfig) -> Any:
 
 def _train(
     config: DictConfig,
-    workflow_class: str | type,
+    workflow_class: str | type | None,
     workflow_args: dict[str, Any] | None,
     train_dataset: Any,
     val_dataset: Any,
@@ -104,7 +105,7 @@ def _train(
                 trainer = (trainer_cls or rllm_names.UnifiedTrainer)(
                     backend_cls=backend_cls or SkyRLBackend,
                     config=config,
-                    workflow_class=rllm_names.resolve(workflow_class),
+                    workflow_class=None if workflow_class is None else rllm_names.resolve(workflow_class),
                     train_dataset=train_dataset,
                     val_dataset=val_dataset,
                     workflow_args=workflow_args or {},

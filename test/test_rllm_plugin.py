@@ -128,19 +128,48 @@ def test_register_is_idempotent_and_unregister_restores():
 
 
 @pytest.mark.parametrize(
-    ("arguments", "config", "named"),
+    ("config", "named"),
     [
-        ({"agent_flow": object(), "evaluator": object()}, _config(), "agent_flow, evaluator"),
-        ({"agent_flow": object(), "hooks": object()}, _config(), "agent_flow, hooks"),
-        ({}, _config(remote_runtime={"enabled": True}), "rllm.remote_runtime.enabled"),
+        (_config(remote_runtime={"enabled": True, "backend": "harbor"}), "rllm.remote_runtime.enabled=true"),
+        (_config(gateway={"tunnel": "cloudflared"}), "rllm.gateway.tunnel"),
+        (_config(gateway={"tunnel": "https://gw.example.org"}), "rllm.gateway.tunnel"),
+        (_config(gateway={"host": "0.0.0.0"}), "rllm.gateway.host=0.0.0.0"),
     ],
 )
-def test_gateway_paths_are_refused_with_the_reason(registered, arguments, config, named):
+def test_gateway_settings_it_cannot_serve_are_refused_in_one_line(registered, config, named):
+    """Before anything starts: the launcher, and the backend's validate_config (rLLM's UnifiedTrainer
+    with backend_cls=SkyRLBackend calls it first), name the key and what to do."""
     from rllm.trainer import AgentTrainer
 
-    with pytest.raises(NotImplementedError, match="model gateway") as caught:
-        AgentTrainer(config, workflow_class=_simple_workflow(), backend="skyrl", **arguments)
-    assert named in str(caught.value)
+    from examples.simple_math.flow import digit_evaluator, digit_flow
+
+    with pytest.raises(ValueError, match="backend=skyrl") as caught:
+        AgentTrainer(config, backend="skyrl", agent_flow=digit_flow, evaluator=digit_evaluator)
+    message = str(caught.value)
+    assert named in message and "\n" not in message
+    backend = SkyRLBackend(config)
+    with pytest.raises(ValueError, match="backend=skyrl") as direct:
+        backend.validate_config()
+    assert named in str(direct.value)
+
+
+@pytest.mark.parametrize("sandbox", [{"sandbox_backend": "docker"}, {"sandbox_concurrency": 4}])
+def test_sandbox_arguments_are_refused(registered, sandbox):
+    from rllm.trainer import AgentTrainer
+
+    from examples.simple_math.flow import digit_evaluator, digit_flow
+
+    with pytest.raises(NotImplementedError, match=next(iter(sandbox))):
+        AgentTrainer(_config(), backend="skyrl", agent_flow=digit_flow, evaluator=digit_evaluator, **sandbox)
+
+
+def test_an_agent_flow_without_evaluator_or_hooks_says_so(registered):
+    from rllm.trainer import AgentTrainer
+
+    from examples.simple_math.flow import digit_flow
+
+    with pytest.raises(ValueError, match="evaluator="):
+        AgentTrainer(_config(), backend="skyrl", agent_flow=digit_flow)
 
 
 def test_skyrl_without_workflow_class_says_so(registered):

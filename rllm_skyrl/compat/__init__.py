@@ -188,6 +188,20 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         in_workers=False,
     ),
     PatchSet(
+        "rllm_gateway",
+        INTEGRATION,
+        "rLLM's trainer with an AgentFlow (the driver)",
+        "rLLM's model gateway finds the inference servers by the engine's class name (Tinker's, "
+        "verl's) and registers none for SkyRL's engine; it also listens on every interface without a "
+        "credential. For an engine that lists its servers it listens on 127.0.0.1 and forwards to them "
+        "with the run's token",
+        "AgentFlow + Evaluator training on SkyRL; no gateway port reachable from another machine",
+        "rLLM: register the workers of any engine with a server_addresses attribute, and bind the "
+        "gateway to rllm.gateway.host",
+        {"rllm": (RLLM,)},
+        in_workers=False,
+    ),
+    PatchSet(
         "rllm_tracking",
         INTEGRATION,
         "every run (the driver), under either trainer",

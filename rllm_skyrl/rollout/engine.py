@@ -85,6 +85,7 @@ class SkyRLEngine:
         train_sampling_params: dict[str, Any] | None = None,
         val_sampling_params: dict[str, Any] | None = None,
         model: str | None = None,
+        base_model: str | None = None,
         data_clients: list[Any] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         disable_thinking: bool = False,
@@ -98,6 +99,7 @@ class SkyRLEngine:
         self.train_sampling_params = {**DEFAULT_SAMPLING_PARAMS, **(train_sampling_params or {})}
         self.val_sampling_params = {**self.train_sampling_params, **(val_sampling_params or {})}
         self.model = model
+        self.base_model = base_model
         # A template that can switch thinking off (Qwen3's) reads enable_thinking; others ignore it.
         self.chat_template_kwargs = {
             **({"enable_thinking": False} if disable_thinking else {}),
@@ -115,6 +117,25 @@ class SkyRLEngine:
         self._warned_keys: set[str] = set()
         self.request_seed: int | None = None
         self.seeds = RequestSeeds()
+        self.gateway: Any = None  # rLLM's model gateway when an AgentFlow samples through it
+
+    @property
+    def server_addresses(self) -> list[str]:
+        """Every inference server's URL (with its credentials): rLLM's model gateway forwards an
+        AgentFlow's calls to these, as it does to verl's servers."""
+        return list(self.client.server_urls)
+
+    @property
+    def served_model(self) -> str:
+        """The name the servers know the policy by: the LoRA adapter's, else the base model's (its
+        directory on our CPU servers, which the gateway's cumulative token mode loads a tokenizer from)."""
+        return self.model or self.base_model or self.client.model_name
+
+    async def publish_weight_version(self, version: int) -> None:
+        """Stamp later rollouts with ``version``, the gateway's traces too when one is attached."""
+        self.weight_version = version
+        if self.gateway is not None:
+            await self.gateway.aset_weight_version(version)
 
     @classmethod
     def from_urls(
@@ -157,6 +178,7 @@ class SkyRLEngine:
             disable_thinking=run.rollout.disable_thinking,
             render_with_parser=run.rollout.render_with_parser,
             model=policy_model_name(run),
+            base_model=getattr(servers, "model_dir", None),
         )
         if getattr(servers, "client", None) is not None:
             return cls(servers.client, tokenizer, **engine_args)
