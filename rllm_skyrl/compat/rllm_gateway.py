@@ -7,7 +7,7 @@ an engine that is neither of those two and lists its servers (``server_addresses
 runs in a thread listening on 127.0.0.1 only, and every server becomes a worker. A server's URL
 carries the run's token as user info, which the gateway's HTTP client sends as Basic auth in place
 of the flow's ``Authorization`` header. The model the gateway pins and the sampling params under
-every session come from the engine (``rollout.gateway``). Any other engine gets rLLM's own start.
+every session come from the engine (``gateway_session_params``). Any other engine gets rLLM's own start.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import socket
 import threading
 import time
 from typing import Any
-
-from rllm_skyrl.rollout import gateway as engine_side
 
 logger = logging.getLogger(__name__)
 
@@ -78,21 +76,21 @@ def _session_params(manager: Any, is_validation: bool, given: dict[str, Any] | N
     engine = getattr(manager, _ENGINE, None)
     if engine is None:
         return given
-    return engine_side.session_params(engine, is_validation, given)
+    return engine.gateway_session_params(is_validation, given)
 
 
 def start_for_engine(manager: Any, engine: Any) -> None:
     """Serve the gateway on 127.0.0.1 and register the engine's servers as its workers."""
     if manager.tunnel_backend or manager.public_url:
-        raise ValueError(engine_side.TUNNEL_REFUSAL)
+        raise ValueError("rllm.gateway.tunnel is set: this gateway listens on 127.0.0.1 only; set it to null")
     manager.host = LOOPBACK
     manager.port = free_port() if not manager.port else manager.port
     _serve(manager, model=engine.served_model)
     for url in engine.server_addresses:
         worker_id = manager.client.add_worker(url=url)
         logger.info("gateway worker %s registered", worker_id)  # the URL holds the servers' token
-    manager._train_sampling_params = engine_side.session_params(engine, False, None)
-    manager._val_sampling_params = engine_side.session_params(engine, True, None)
+    manager._train_sampling_params = engine.gateway_session_params(False, None)
+    manager._val_sampling_params = engine.gateway_session_params(True, None)
     setattr(manager, _ENGINE, engine)
     engine.gateway = manager
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from rllm_skyrl import rllm_api
 from rllm_skyrl.records import ModelOutput
+from rllm_skyrl.rollout import gateway
 from rllm_skyrl.rollout.ledger import RolloutLedger
 from rllm_skyrl.rollout.request_batching import SampleBatcher
 from rllm_skyrl.rollout.sampling import (
@@ -130,6 +131,10 @@ class SkyRLEngine:
         """The name the servers know the policy by: the LoRA adapter's, else the base model's (its
         directory on our CPU servers, which the gateway's cumulative token mode loads a tokenizer from)."""
         return self.model or self.base_model or self.client.model_name
+
+    def gateway_session_params(self, is_validation: bool, given: dict[str, Any] | None) -> dict[str, Any]:
+        """What rLLM's model gateway pins on a session: see ``rollout.gateway.session_params``."""
+        return gateway.session_params(self, is_validation, given)
 
     async def publish_weight_version(self, version: int) -> None:
         """Stamp later rollouts with ``version``, the gateway's traces too when one is attached."""
