@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rllm_skyrl.compat.quiet_logs import quiet_libraries
+from rllm_skyrl import compat
+from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run.exits import one_line_errors
 
-__all__ = ["main", "plan", "placement_summary"]
+__all__ = ["main", "patch_sets_summary", "plan", "placement_summary"]
 
 
-def plan(overrides: list[str], config_name: str = "unified", config_dir: str | None = None) -> str:
-    """The resolved SkyRL config and the placement a GPU cluster would get; starts nothing.
+def plan(
+    overrides: list[str],
+    config_name: str = "unified",
+    config_dir: str | None = None,
+    here: Platform | None = None,
+) -> str:
+    """The resolved SkyRL config and the placement a GPU cluster would get, and the patch sets a
+    run applies there and, where this machine (``here``, detected by default) differs, here;
+    starts nothing.
 
     The config is checked with SkyRL's own ``validate_cfg`` (on a copy: it edits what it checks),
     so a placement SkyRL would refuse fails here, before any GPU is rented.
@@ -23,7 +31,6 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
     from skyrl.train.config.config import get_config_as_yaml_str
     from skyrl.train.utils.utils import validate_cfg
 
-    from rllm_skyrl.hardware import Platform
     from rllm_skyrl.run_config import ConfigError, resolve_run_config
 
     init = (
@@ -36,12 +43,51 @@ def plan(overrides: list[str], config_name: str = "unified", config_dir: str | N
             cfg = compose(config_name, overrides=overrides)
         except HydraException as error:  # an unknown key or group: the user's to fix
             raise ConfigError(str(error).strip().replace("\n", " ")) from None
-    run = resolve_run_config(cfg, platform=Platform.gpu_cluster(), resolve_models=False)
+    cluster = Platform.gpu_cluster()
+    run = resolve_run_config(cfg, platform=cluster, resolve_models=False)
     try:
         validate_cfg(copy.deepcopy(run.skyrl))
     except (AssertionError, ValueError) as error:
         raise ConfigError(f"SkyRL rejects this config for a GPU cluster: {error}") from error
-    return placement_summary(run) + "\n\n# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)
+    here = here or Platform.detect()
+    sets = [patch_sets_summary(cluster, "the GPU cluster this plan is for")]
+    if compat.on_platform(here) != compat.on_platform(cluster):
+        sets.append(patch_sets_summary(here, "this machine, for a run started here"))
+    return "\n\n".join(
+        [placement_summary(run), *sets, "# resolved SkyRL config\n" + get_config_as_yaml_str(run.skyrl)]
+    )
+
+
+def patch_sets_summary(platform: Platform, where: str) -> str:
+    """The ``compat.PATCH_SETS`` entries a run on ``platform`` applies, name and one line each,
+    split by what they change: SkyRL's training code (on CUDA only bug fixes), or the driver
+    process and rLLM's entry points (every platform: SkyRL's training code is not touched)."""
+    sets = compat.on_platform(platform)
+    disabled = compat.disabled()
+
+    def line(patch_set: compat.PatchSet) -> str:
+        off = " [turned off: RLLM_SKYRL_COMPAT_DISABLE]" if patch_set.name in disabled else ""
+        return f"  {patch_set.name} ({patch_set.purpose}): {patch_set.summary}{off}"
+
+    training = [p for p in sets if p.purpose not in (compat.PROCESS, compat.INTEGRATION)]
+    driver = [p for p in sets if p.purpose in (compat.PROCESS, compat.INTEGRATION)]
+    kind = "CUDA" if platform.cuda else "CPU"
+    training_title = (
+        "SkyRL's training code: its stock code but for these bug fixes"
+        if platform.cuda
+        else "SkyRL's training code, Ray and transformers on CPU: enablement, bug fixes and speed"
+    )
+    return "\n".join(
+        [
+            f"# patch sets on {kind}: {where} (compat.PATCH_SETS; README: Patches)",
+            f"{training_title}:",
+            *map(line, training),
+            "the driver process and rLLM's entry points (every platform: its output, logs and "
+            "signals, and rLLM's AgentTrainer for backend='skyrl' and Tracking; SkyRL's training "
+            "code untouched):",
+            *map(line, driver),
+        ]
+    )
 
 
 def placement_summary(run) -> str:
@@ -105,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
-    quiet_libraries()  # as in a run: SkyRL's import-time notes (e.g. its vLLM patches skipped) stay off
+    compat.apply(["quiet_logs"])  # as in a run: SkyRL's import-time notes (its vLLM patches skipped) stay off
     with one_line_errors(always=True):  # "plan" is the only command
         print(plan(args.overrides, args.config_name, args.config_dir))
 

@@ -98,20 +98,9 @@ class Platform:
         return {"num_gpus": CPU_LOGICAL_GPUS, "num_cpus": num_cpus or CPU_LOGICAL_GPUS}
 
     def ray_init_args(self, num_cpus: int | None = None) -> dict[str, Any]:
-        """``ray.init`` arguments for a run's local Ray (the runtime env aside)."""
-        return {
-            "include_dashboard": False,
-            "_system_config": {"prestart_worker_first_driver": False, **self.ray_system_config()},
-            **self.ray_resources(num_cpus),
-        }
-
-    def ray_system_config(self) -> dict[str, Any]:
-        """Ray runs its workers at niceness 15. On CPU the training worker shares the cores with the
-        inference server (niceness 0): every wake-up of another process then pre-empts one of the
-        worker's OpenMP threads, and the others wait for it at the next barrier. At the driver's
-        priority the quickstart's forward-backward took 2-4% less time.
-        """
-        return {} if self.cuda else {"worker_niceness": 0}
+        """``ray.init`` arguments for a run's local Ray (the runtime env aside): public ones only; a
+        CPU run's own head adds Ray's private settings (``compat.local_ray.SYSTEM_CONFIG``)."""
+        return {"include_dashboard": False, **self.ray_resources(num_cpus)}
 
     def skyrl_overrides(self) -> dict[str, Any]:
         """SkyRL config values forced over the user's (they cannot work otherwise)."""

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import local_ray, sigterm
+from rllm_skyrl.compat import local_ray
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.secret_masking import is_secret_key
@@ -75,9 +75,10 @@ def start_ray(
 ) -> bool:
     """Initialise Ray if this process has not; True if we started it (and so own its shutdown).
 
-    A CPU run joins its own head (``compat.local_ray``: launched at the run's first line, or now).
-    The driver's patch sets come first: with the ``registries`` set, SkyRL's built-in functions
-    (registered when its modules are imported) must be registered locally before Ray is joined.
+    A CPU run joins its own head (the ``local_ray`` set: launched at the run's first line, or now);
+    after ``ray.init`` the ``sigterm`` set replaces Ray's SIGTERM handler. The driver's patch sets
+    come first: with the ``registries`` set, SkyRL's built-in functions (registered when its modules
+    are imported) must be registered locally before Ray is joined.
     """
     if ray.is_initialized():
         return False
@@ -91,11 +92,9 @@ def start_ray(
     if joining:
         logger.info("Joining Ray cluster at %s", os.environ["RAY_ADDRESS"])
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=False)
-    elif not platform.cuda and compat.usable(["local_ray"]):
-        local_ray.join(platform, num_cpus, runtime_env)
-    else:
+    elif not compat.apply(["local_ray"], platform, num_cpus, runtime_env, platform=platform):
         ray.init(**platform.ray_init_args(num_cpus), runtime_env=runtime_env, log_to_driver=False)
-    sigterm.after_ray_init()  # ray.init installed its own SIGTERM handler: settle it
+    compat.apply(["sigterm"])  # ray.init installed its own SIGTERM handler
     return True
 
 

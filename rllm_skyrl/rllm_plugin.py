@@ -20,8 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import rllm_agent_trainer
-from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE
+from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE, remove
 from rllm_skyrl.optional_deps import require
 from rllm_skyrl.rollout import gateway
 
@@ -96,14 +95,14 @@ class SkyRLTrainerLauncher:
 
 
 def register() -> None:
-    """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher``; safe to call twice.
-    On an rLLM version the ``rllm_agent_trainer`` set was not verified on, it is skipped with one
-    warning; ``SkyRLTrainerLauncher`` still works directly."""
-    agent_trainer = require("rllm", TRAINER_MODULE).AgentTrainer
-    if compat.usable(["rllm_agent_trainer"]):
-        rllm_agent_trainer.install(agent_trainer, SkyRLTrainerLauncher)
+    """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher`` (the
+    ``rllm_agent_trainer`` set; other backends untouched); safe to call twice. On an rLLM version the
+    set was not verified on, or with it turned off, it is skipped; ``SkyRLTrainerLauncher`` still
+    works directly."""
+    require("rllm", TRAINER_MODULE)
+    compat.apply(["rllm_agent_trainer"], SkyRLTrainerLauncher)
 
 
 def unregister() -> None:
     """Undo ``register()``: rLLM's own ``AgentTrainer`` constructor again."""
-    rllm_agent_trainer.remove()
+    remove()

@@ -84,14 +84,12 @@ def _train(
     scrub_hydra_outputs(masker)
     compat.prepare_imports()  # before the backend's and the trainer's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend
-    from rllm_skyrl.compat.quiet_logs import quiet_libraries
-    from rllm_skyrl.compat.rllm_tracking import add_sinks
     from rllm_skyrl.run.console import ProgressBar, finish_run, trainer_output
     from rllm_skyrl.run.exits import clean_stop, one_line_errors
     from rllm_skyrl.run.metrics_file import MetricsSink
     from rllm_skyrl.run_config import with_aliases
 
-    quiet_libraries()
+    compat.apply(["quiet_logs"])
     with one_line_errors():
         config = with_aliases(config)  # the trainer reads rllm.* keys that an alias may set
     run_dir = Path(OmegaConf.select(config, "rllm.trainer.run_dir", default="logs/rllm-skyrl"))
@@ -113,11 +111,14 @@ def _train(
                     **trainer_kwargs,
                 )
             progress = ProgressBar(console)
-            add_sinks(
-                trainer.logger,
-                metrics_jsonl=MetricsSink(run_dir, lambda: getattr(trainer.backend, "resumed_step", None)),
-                progress_bar=progress,
-            )
+            sinks = {
+                "metrics_jsonl": MetricsSink(run_dir, lambda: getattr(trainer.backend, "resumed_step", None)),
+                "progress_bar": progress,
+            }
+            if hasattr(trainer.logger, "add_sinks"):  # the fallback trainer's own Tracking
+                trainer.logger.add_sinks(sinks)
+            else:
+                compat.apply(["rllm_tracking"], trainer.logger, sinks)
             try:
                 with trainer_output(run_dir, masker, on_console):
                     trainer.fit()

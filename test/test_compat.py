@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,105 @@ def test_unknown_patch_set_is_refused():
 
 def test_the_readme_shows_the_table_of_the_code():
     assert compat.table_markdown() in README.read_text()
+
+
+def test_cuda_changes_skyrls_training_code_only_by_bug_fixes():
+    """On CUDA every set is a bug fix, or acts on the driver process and rLLM's entry points only
+    (not in SkyRL's training path, not in any Ray worker): never speed."""
+    for platform in (Platform(cuda=True, flash_attn=True), Platform(cuda=True, flash_attn=False)):
+        for patch_set in compat.on_platform(platform):
+            driver_side = patch_set.purpose in (compat.PROCESS, compat.INTEGRATION)
+            assert patch_set.purpose == compat.BUG or (driver_side and not patch_set.training_path), (
+                patch_set.name
+            )
+    assert {p.name for p in compat.on_platform(Platform(cuda=True, flash_attn=True))} == {
+        "tied_embeddings",
+        "output_masking",
+        "quiet_logs",
+        "sigterm",
+        "rllm_agent_trainer",
+        "rllm_gateway",
+        "rllm_tracking",
+    }
+
+
+def test_every_set_has_an_apply_that_the_table_calls():
+    for patch_set in compat.PATCH_SETS:
+        module = importlib.import_module(patch_set.module_name)
+        assert callable(getattr(module, "apply", None)), patch_set.name
+
+
+@pytest.mark.parametrize("name", [p.name for p in compat.PATCH_SETS])
+def test_every_set_can_be_turned_off_by_name(name, fresh_guards, monkeypatch):
+    """``RLLM_SKYRL_COMPAT_DISABLE=name``: the table never calls the set's ``apply``; on, it does
+    (with the arguments of a set that acts on what a run built)."""
+    calls = []
+
+    class Module:
+        @staticmethod
+        def apply(*args):
+            calls.append(args)
+
+    real_import = importlib.import_module
+    monkeypatch.setattr(
+        compat.importlib,
+        "import_module",
+        lambda module: Module if module == compat.BY_NAME[name].module_name else real_import(module),
+    )
+    monkeypatch.setattr(compat, "_applied", set())
+    args = ("built by the run",) if compat.BY_NAME[name].each_call else ()
+    monkeypatch.setenv(compat.DISABLE_VAR, f"other,{name}")
+    assert compat.apply([name], *args) == [] and calls == []
+    monkeypatch.delenv(compat.DISABLE_VAR)
+    assert compat.apply([name], *args) == [name] and calls == [args]
+
+
+def test_turning_off_rllm_tracking_leaves_rllms_tracking_as_rllm_built_it(fresh_guards, monkeypatch):
+    tracking_module = pytest.importorskip("rllm.utils.tracking")
+    tracking = tracking_module.Tracking("project", "experiment", default_backend=[])
+    sinks = {"metrics_jsonl": object()}
+    monkeypatch.setenv(compat.DISABLE_VAR, "rllm_tracking")
+    assert compat.apply(["rllm_tracking"], tracking, sinks) == []
+    assert tracking.logger == {}
+    monkeypatch.delenv(compat.DISABLE_VAR)
+    assert compat.apply(["rllm_tracking"], tracking, sinks) == ["rllm_tracking"]
+    assert tracking.logger == sinks
+
+
+def test_a_cpu_only_set_is_not_applied_where_the_caller_says_cuda(fresh_guards):
+    assert compat.apply(["rllm_metrics_table"], object(), platform=Platform(cuda=True)) == []
+
+
+def test_measured_figures_live_in_bench_readme_under_the_section_named():
+    """A gain names what it buys and where the figures are (with their date and command), so the
+    code does not carry numbers that go stale."""
+    bench = (README.parent / "bench" / "README.md").read_text()
+    for patch_set in compat.PATCH_SETS:
+        assert not re.search(r"\d", patch_set.gain), patch_set.name
+        for section in re.findall(r"bench/README\.md: '([^']+)'", patch_set.gain):
+            assert f"### {section}\n" in bench, (patch_set.name, section)
+
+
+LOGURU_SINKS = """
+    import io, json, sys
+    from loguru import logger  # SkyRL's modules log through loguru's logger, imported so
+    from rllm_skyrl import compat
+
+    users = []
+    logger.add(users.append, level="DEBUG", format="{message}")
+    console = io.StringIO()
+    sys.stderr = console  # quiet_logs' sink goes to the current stderr
+    compat.apply(["quiet_logs"])
+    logger.info("skyrl start-up note")
+    logger.warning("skyrl warning")
+    print(json.dumps({"user": [m.strip() for m in users], "console": console.getvalue()}))
+"""
+
+
+def test_quiet_logs_keeps_a_users_loguru_sink_and_quiets_only_the_console():
+    outcome = run_python(LOGURU_SINKS)
+    assert outcome["user"] == ["skyrl start-up note", "skyrl warning"]
+    assert "skyrl warning" in outcome["console"] and "skyrl start-up note" not in outcome["console"]
 
 
 # --------------------------------------------------------------------------- version guards

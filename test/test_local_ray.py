@@ -15,7 +15,7 @@ import pytest
 from helpers import run_python, wait_until
 
 from rllm_skyrl import compat
-from rllm_skyrl.compat import local_ray
+from rllm_skyrl.compat import local_ray, sigterm
 from rllm_skyrl.hardware import Platform
 
 
@@ -37,16 +37,18 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
 
         @ray.remote(num_cpus=0)
         def threads():
-            return os.environ.get("OMP_NUM_THREADS")
+            return os.environ.get("OMP_NUM_THREADS"), os.nice(0)
 
         gcs = ray.get_runtime_context().gcs_address
+        omp_threads, niceness = ray.get(threads.remote())
         # one connection attempt: Ray retries a refused client 20 times, a second apart
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
         env["RAY_NUM_REDIS_GET_RETRIES"] = "1"
         intruder = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{gcs}')"],
                                   env=env, capture_output=True, text=True, timeout=120)
         result = {
-            "owned": owned, "same_ray": gcs == local.address(), "threads": ray.get(threads.remote()),
+            "owned": owned, "same_ray": gcs == local.address(),
+            "threads": omp_threads, "nice": niceness == os.nice(0),
             "cpus": ray.cluster_resources()["CPU"],
             "refused": intruder.returncode != 0 and "Auth" in intruder.stderr,
         }
@@ -64,6 +66,7 @@ def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it
         "owned": True,
         "same_ray": True,
         "threads": "1",
+        "nice": True,  # the worker at the driver's priority (SYSTEM_CONFIG), not Ray's niceness 15
         "cpus": 8.0,
         "refused": True,
         # no dashboard head (dashboard.py), autoscaler monitor (monitor.py) or log monitor
@@ -122,7 +125,7 @@ def _record_start_ray(monkeypatch, launched=None):
     monkeypatch.setattr(ray_cluster.ray, "init", lambda **kwargs: calls["inits"].append(kwargs))
     monkeypatch.setattr(ray_cluster, "runtime_env_for", lambda *a, **k: {})
     monkeypatch.setattr(ray_cluster.compat, "prepare_driver", lambda platform: [])
-    monkeypatch.setattr(ray_cluster.sigterm, "after_ray_init", lambda: None)
+    monkeypatch.setattr(sigterm, "apply", lambda: None)
     return ray_cluster, calls
 
 
@@ -153,6 +156,7 @@ def test_rays_own_init_where_the_local_ray_set_does_not_apply(monkeypatch):
     assert calls["launches"] == []
     cuda_init, cpu_init = calls["inits"]
     assert "address" not in cuda_init and "num_gpus" not in cuda_init
+    assert "_system_config" not in cuda_init  # Ray's private settings: the CPU head's only
     assert cpu_init["num_gpus"] == Platform(cuda=False).ray_init_args()["num_gpus"]
 
 

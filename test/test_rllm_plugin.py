@@ -101,6 +101,44 @@ def test_other_backends_keep_rllms_own_dispatch(registered):
         AgentTrainer(_config(), workflow_class=_simple_workflow(), backend="nope")
 
 
+@pytest.mark.parametrize("backend", ["tinker", "verl", "fireworks", "nope"])
+def test_every_other_backend_reaches_rllms_constructor_with_the_same_arguments(backend, monkeypatch):
+    """The wrapper changes ``backend="skyrl"`` only: any other value (with a config not composed
+    for skyrl) is passed to rLLM's own constructor as given, the same objects."""
+    import functools
+
+    from rllm.trainer.unified_trainer import AgentTrainer
+
+    received = []
+
+    @functools.wraps(AgentTrainer.__init__)  # the signature the wrapper binds against
+    def rllms_init(self, *args, **kwargs):
+        received.append((self, args, kwargs))
+
+    monkeypatch.setattr(AgentTrainer, "__init__", rllms_init)
+    rllm_plugin.register()
+    try:
+        assert AgentTrainer.__init__ is not rllms_init  # wrapped
+        config, workflow, store = _config(backend="tinker"), _simple_workflow(), object()
+        trainer = AgentTrainer(config, workflow_class=workflow, backend=backend, store=store)
+    finally:
+        rllm_plugin.unregister()
+    passed = {"workflow_class": workflow, "backend": backend, "store": store}
+    assert received == [(trainer, (config,), passed)]
+    assert not hasattr(trainer, "launcher")
+
+
+def test_with_the_set_turned_off_register_leaves_agent_trainer_as_rllm_wrote_it(monkeypatch):
+    from rllm.trainer.unified_trainer import AgentTrainer
+
+    original = AgentTrainer.__init__
+    monkeypatch.setenv("RLLM_SKYRL_COMPAT_DISABLE", "rllm_agent_trainer")
+    rllm_plugin.register()
+    assert AgentTrainer.__init__ is original
+    with pytest.raises(ValueError, match="Unsupported backend: skyrl"):
+        AgentTrainer(_config(), workflow_class=_simple_workflow(), backend="skyrl")
+
+
 def test_the_config_group_wins_over_a_backend_name_fixed_in_code(registered, caplog):
     """rLLM's countdown example hard-codes ``backend="tinker"``; its script picks the config group."""
     from rllm.trainer import AgentTrainer

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rllm_skyrl.compat.rllm_tracking import add_sinks
+from rllm_skyrl.compat import rllm_tracking
 from rllm_skyrl.run.console import TRAINER_OUTPUT, ProgressBar, trainer_output
 from rllm_skyrl.run.metrics_file import MetricsSink, read_metrics
 from rllm_skyrl.secret_masking import REDACTED, SecretMasker, redact
@@ -49,7 +49,7 @@ class TrainerLogger:
 
 
 def mirror_logger(tracking, run_dir, resumed_step):
-    add_sinks(tracking, metrics_jsonl=MetricsSink(run_dir, resumed_step))
+    rllm_tracking.apply(tracking, {"metrics_jsonl": MetricsSink(run_dir, resumed_step)})
 
 
 def test_redact_hides_secret_keys_but_keeps_lookalikes():
@@ -93,7 +93,7 @@ def test_the_progress_bar_follows_training_records_with_the_live_reward():
     console = io.StringIO()
     trainer_logger = TrainerLogger()
     bar = ProgressBar(console)
-    add_sinks(trainer_logger, progress_bar=bar)
+    rllm_tracking.apply(trainer_logger, {"progress_bar": bar})
     trainer_logger.log({"val/a/pass@1": 0.0}, 0)  # validation: not a step
     for step in (3, 4, 5):  # a run resumed after step 2 of 5
         trainer_logger.log(
@@ -109,7 +109,7 @@ def test_the_progress_bar_follows_training_records_with_the_live_reward():
 def test_a_logger_without_rllms_table_trains_on_without_the_sinks_and_says_so(caplog):
     trainer_logger = Recorder()
     with caplog.at_level(logging.WARNING):
-        assert not add_sinks(trainer_logger, metrics_jsonl=Recorder(), progress_bar=Recorder())
+        rllm_tracking.apply(trainer_logger, {"metrics_jsonl": Recorder(), "progress_bar": Recorder()})
     assert "Recorder has no logger table" in caplog.text and "metrics_jsonl, progress_bar" in caplog.text
     trainer_logger.log({"reward/mean": 1.0}, 1)
     assert trainer_logger.logged == [(1, {"reward/mean": 1.0})]

@@ -130,7 +130,11 @@ def test_trained_models_reshard_after_forward_only_where_memory_is_scarce(cuda, 
     assert run.skyrl.trainer.critic.fsdp_config.reshard_after_forward is cuda
 
 
-def test_ray_workers_share_the_drivers_priority_on_cpu_only():
-    # On CPU the worker computes beside the inference server; on CUDA Ray's own default stays.
-    assert Platform(cuda=False).ray_system_config() == {"worker_niceness": 0}
-    assert Platform(cuda=True).ray_system_config() == {}
+def test_rays_private_settings_are_the_cpu_heads_only():
+    """On CPU the worker computes beside the inference server at the driver's priority (the
+    ``local_ray`` head's settings); ``ray.init`` on CUDA gets public arguments only."""
+    from rllm_skyrl.compat import local_ray
+
+    assert local_ray.SYSTEM_CONFIG["worker_niceness"] == 0
+    for platform in (Platform(cuda=True), Platform(cuda=True, flash_attn=True), Platform(cuda=False)):
+        assert not [key for key in platform.ray_init_args() if key.startswith("_")], platform

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from rllm_skyrl.checkpoint.manager import failure_report
 # task's frame, as it does when SIGTERM lands while an HTTP client's task writes to a socket.
 _RUN = """
 import asyncio, os, signal, sys, time
-from rllm_skyrl.compat import sigterm as stop_signals
+from rllm_skyrl import compat
 from rllm_skyrl.run.exits import clean_stop
 
 async def request():
@@ -39,14 +40,20 @@ async def main():
 with clean_stop(always=True):
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
     if {reclaim}:
-        stop_signals.after_ray_init()  # what the runtime does after ray.init
+        compat.apply(["sigterm"])  # what ray_cluster.start_ray does after ray.init
     {body}
 """
 
 
-def _run(signal: str = "SIGTERM", reclaim: bool = True, body: str = "asyncio.run(main())"):
+def _run(signal: str = "SIGTERM", reclaim: bool = True, body: str = "asyncio.run(main())", env=None):
     script = textwrap.dedent(_RUN).format(signal=signal, reclaim=reclaim, body=body)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_sigterm_inside_a_task_cancels_the_run_instead_of_killing_the_task():
@@ -61,6 +68,14 @@ def test_without_the_handler_taken_back_the_task_dies_of_the_signal():
     asyncio logs its traceback when the task is collected."""
     done = _run(reclaim=False)
     assert "request ended by SystemExit" in done.stdout, done.stdout
+
+
+def test_with_the_sigterm_set_turned_off_rays_handler_stays():
+    """``RLLM_SKYRL_COMPAT_DISABLE=sigterm``: the table leaves Ray's handler in place, which exits
+    from inside the task (the stop is still reported as SIGTERM, from Ray's exit code)."""
+    done = _run(env={"RLLM_SKYRL_COMPAT_DISABLE": "sigterm"})
+    assert "request ended by SystemExit" in done.stdout, done.stdout
+    assert done.returncode == 143 and "stopped by SIGTERM" in done.stderr, done.stderr
 
 
 def test_sigterm_outside_an_event_loop_raises_where_the_run_is():

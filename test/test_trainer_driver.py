@@ -15,7 +15,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from rllm_skyrl import rllm_api
-from rllm_skyrl.compat.rllm_tracking import add_sinks
 from rllm_skyrl.records import (
     Episode,
     ModelOutput,
@@ -198,7 +197,7 @@ def math_rows(n: int, source: str = "toy") -> list[dict[str, Any]]:
 
 def recorded(trainer: UnifiedTrainer, run_dir) -> UnifiedTrainer:
     """What ``training_run`` attaches to every trainer's logger: ``metrics.jsonl`` in ``run_dir``."""
-    add_sinks(trainer.logger, metrics_jsonl=MetricsSink(run_dir, lambda: None))
+    trainer.logger.add_sinks({"metrics_jsonl": MetricsSink(run_dir, lambda: None)})
     return trainer
 
 

@@ -17,8 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
+from rllm_skyrl import compat
 from rllm_skyrl.compat.output_masking import mask_process_output
-from rllm_skyrl.compat.quiet_logs import quiet_libraries
 from rllm_skyrl.data.adapter import sft_examples_to_batch
 from rllm_skyrl.run.exits import clean_stop, one_line_errors
 from rllm_skyrl.run_config import resolve_run_config
@@ -112,7 +112,7 @@ def train_sft(cfg: DictConfig) -> SFTResult:
 @hydra.main(config_path=".", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     mask_process_output()
-    quiet_libraries()
+    compat.apply(["quiet_logs"])
     with clean_stop():
         train_sft(cfg)
 

@@ -1,8 +1,8 @@
 """Rows that share their context compute it once: a prompt's samples packed into one row.
 
 GRPO samples every prompt n times, and SkyRL's batch repeats the prompt in each of the n rows
-(``[PAD | prompt | response]``): for the quickstart (16 prompts of about 17 tokens, 32 samples of
-2 tokens) 17 of every 20 tokens were computed 32 times over.
+(``[PAD | prompt | response]``): for the quickstart most of every row's tokens are the prompt's,
+computed once per sample.
 
 Rows with the same context before the response window (same ids, same padding) go into one packed
 row: the context once, then each row's window, under a mask that lets a window see the context and
@@ -14,17 +14,12 @@ needs (a module called twice before one backward frees the weights the first cal
 How many windows go into one packed row is a trade: the context is computed once, but attention
 scores grow with the square of the length (a window only reads its own part, yet the kernel
 computes every pair). A token's projections and MLP cost about as much as ``PAIRS_PER_TOKEN`` x
-hidden size attention pairs (sdpa with a mask, CPU: measured 4-6 on the tiny model and on
+hidden size attention pairs (sdpa with a mask, CPU: measured on the tiny model and on
 SmolLM2-135M's layer shape), so a context of ``c`` tokens followed by windows of ``w`` costs least
-per window with about ``sqrt(c^2 + rho c) / w`` of them, ``rho`` being that many pairs. Measured
-fwd+bwd on SmolLM2-135M's layer shape (2 cores, rows x prompt + response): 64 x 200 + 16 tokens
-12.7 -> 4.7 s, 512 x 11 + 2 9.7 -> 5.5 s; on the tiny model 512 x 11 + 2 155 -> 61 ms. The
-estimate is a little optimistic: on SmolLM2-135M itself (one prompt's samples, fwd+bwd of the
-window's log-probs) it said 0.20 / 0.41 / 0.56 / 0.60 / 0.80 / 0.94 of the rows' cost where packing
-measured 0.24 / 0.51 / 0.64 / 0.69 / 0.86-0.89 / 0.99 (context 199 + 8 windows of 17, 35 + 16 x 17,
-99 + 8 x 65, 35 + 8 x 33, 35 + 8 x 65 and 4 x 65, 35 + 8 x 129); it never cost more than the rows.
-Up to 4 windows per packed row the estimate was at most 0.09 short, so ``MIN_SAVING`` of 0.15
-packs where the measured saving is at least about 6%.
+per window with about ``sqrt(c^2 + rho c) / w`` of them, ``rho`` being that many pairs. The
+estimate runs a little below what packing measures, and packing never measured more than the rows;
+``MIN_SAVING`` packs only where the measured saving stays positive (figures and dates:
+bench/README.md, 'A step').
 
 Applies where the mask means what it says: sdpa attention (a custom 4D mask goes to the kernel
 as given), full attention in every layer (a sliding window would be lost), and windows without

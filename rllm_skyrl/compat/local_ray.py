@@ -1,18 +1,19 @@
-"""A CPU run's local Ray: the head node's daemons a run uses, in a process of its own.
+"""The ``local_ray`` set: a CPU run's local Ray, the head node's daemons a run uses, in a process of its own.
 
-Built on Ray's private classes, so the ``local_ray`` set applies only on the Ray it was verified
-on, without an NVIDIA driver or a cluster to join; elsewhere ``runtime.start_ray`` calls ``ray.init``.
+Built on Ray's private classes and settings, so the set applies only on CPU, on the Ray it was
+verified on, without an NVIDIA driver or a cluster to join; elsewhere ``ray_cluster.start_ray``
+calls ``ray.init`` with public arguments only.
 
 ``ray.init`` starts, and waits for, the dashboard head (even with ``include_dashboard=False``,
 which only trims its modules), the autoscaler monitor (nothing to scale) and the log monitor (our
 drivers connect with ``log_to_driver=False``; the logs stay in the session's files). On two cores
-those took 3-4 core-seconds and held up the start by their imports; the dashboard head and the
-monitor also served Prometheus metrics without authentication on every interface (ports 44227 and
-44217). Here the head ``Node`` gets the resources and system config ``ray.init`` would give it, but
-none of those three, and a dashboard agent in Ray's minimal mode (no HTTP or metrics servers): the
-GCS, the raylet and its two agents are what actors, placement groups and runtime envs need.
-Launched at a run's first line (``training_run.train``), beside the driver's imports, it is up
-before the driver first asks.
+those cost core-seconds and held up the start by their imports (bench/README.md: 'Start-up'); the
+dashboard head and the monitor also served Prometheus metrics without authentication on every
+interface. Here the head ``Node`` gets the resources ``ray.init`` would give it and
+``SYSTEM_CONFIG``, but none of those three, and a dashboard agent in Ray's minimal mode (no HTTP or
+metrics servers): the GCS, the raylet and its two agents are what actors, placement groups and
+runtime envs need. Launched at a run's first line (``training_run.train``), beside the driver's
+imports, it is up before the driver first asks.
 
 The process stops Ray when ``stop`` asks, or within half a second of the driver's end however it
 ends: it polls its parent, which survives a SIGKILL where a parent-death signal would be tied to
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 0.5
 STOP_SECONDS = 30.0
+
+# Ray's private settings for a CPU run's head. No worker prestarted for the first driver: it would
+# carry no runtime env, so each actor gets a new process anyway and the prestarted one imports for
+# nothing. Workers at the driver's priority, not niceness 15: the training worker shares the cores
+# with the CPU inference server, and every wake-up of another process pre-empted one of its OpenMP
+# threads while the others waited at the next barrier (bench/README.md: 'A step').
+SYSTEM_CONFIG: dict[str, Any] = {"prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
 def token_env(token: str) -> dict[str, str]:
@@ -125,7 +133,7 @@ def launch(init_args: dict[str, Any]) -> LocalRay:
     return _launched
 
 
-def join(platform: Any, num_cpus: int | None, runtime_env: dict[str, Any]) -> None:
+def apply(platform: Any, num_cpus: int | None, runtime_env: dict[str, Any]) -> None:
     """Connect this process to the run's own Ray: the one launched at the run's first line if it
     has what ``platform`` asks for (else that one is stopped), or one launched now."""
     import ray
@@ -199,8 +207,8 @@ def start_head(init_args: dict[str, Any]):
             """No dashboard head: nothing of a run's asks it anything."""
 
     args = dict(init_args)
-    system_config = args.pop("_system_config", {})
     args.pop("include_dashboard", None)
+    system_config = dict(SYSTEM_CONFIG)
     ensure_token_if_auth_enabled(system_config, create_token_if_missing=False)
     usage_lib.set_usage_stats_enabled_via_env_var(False)  # as ray.init does
     ray_utils.get_dashboard_dependency_error = lambda: ImportError("minimal dashboard agent")
@@ -213,10 +221,6 @@ def start_head(init_args: dict[str, Any]):
         **args,
     )
     return HeadNode(params, head=True, shutdown_at_exit=False, spawn_reaper=True, ray_init_cluster=True)
-
-
-def apply() -> None:
-    """Nothing to install in the driver: ``runtime.start_ray`` launches this Ray where ``wanted``."""
 
 
 def main() -> None:

@@ -1,13 +1,16 @@
-"""rLLM's ``AgentTrainer(backend="skyrl")`` builds this package's launcher.
+"""The ``rllm_agent_trainer`` set: rLLM's ``AgentTrainer(backend="skyrl")`` builds this package's launcher.
 
 rLLM's ``AgentTrainer`` picks its launcher with an if/elif over backend names and has no table to
 add one to, so its constructor is wrapped in place (code that imported the class already sees the
-change); every other backend runs rLLM's constructor untouched.
+change). The wrapper changes one case only: ``backend="skyrl"``, or a config composed for
+``rllm/backend=skyrl`` (``rllm.backend: skyrl``, which wins over a name fixed in code). Every other
+call reaches rLLM's constructor with the same arguments, untouched.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import sys
@@ -39,6 +42,11 @@ def selected_backend(argument: str | None, config: Any) -> str | None:
         )
         return BACKEND_NAME
     return argument
+
+
+def apply(launcher_cls: type) -> None:
+    """rLLM's ``AgentTrainer`` builds ``launcher_cls`` (``rllm_plugin.SkyRLTrainerLauncher``) for skyrl."""
+    install(importlib.import_module(TRAINER_MODULE).AgentTrainer, launcher_cls)
 
 
 def install(agent_trainer: type, launcher_cls: type) -> None:

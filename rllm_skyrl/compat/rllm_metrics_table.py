@@ -1,8 +1,10 @@
-"""rLLM's per-step metrics table as plain lines while the trainer's output goes to a file.
+"""The ``rllm_metrics_table`` set: rLLM's per-step metrics table as plain lines while the trainer's
+output goes to a file (on CPU; on CUDA rLLM's own table).
 
 rLLM's ``UnifiedTrainer`` draws a rich table of every metric after each step whatever
 ``rllm.trainer.logger`` says. With the output moved to ``trainer_output.log`` nobody sees it drawn,
-yet laying out its ~90 rows took about a tenth of a quickstart step on the driver.
+yet laying out its ~90 rows took a noticeable share of a quickstart step on the driver
+(bench/README.md: 'A step').
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 TRAINER_MODULE = "rllm.trainer.unified_trainer"
@@ -26,6 +29,10 @@ def write_metrics(metrics: Mapping[str, Any], step: int, title: str | None = Non
     print("\n".join(lines))
 
 
+def apply(module: ModuleType) -> None:
+    setattr(module, NAME, write_metrics)
+
+
 @contextmanager
 def plain_tables() -> Iterator[None]:
     """rLLM's trainer writes its metrics tables as text inside; rLLM's function again after."""
@@ -33,10 +40,10 @@ def plain_tables() -> Iterator[None]:
 
     module = sys.modules.get(TRAINER_MODULE)
     original = getattr(module, NAME, None)
-    if original is None or not compat.usable(["rllm_metrics_table"]):  # not rLLM's trainer, or unverified
+    # not rLLM's trainer, or the set does not apply (CUDA, unverified, turned off)
+    if original is None or not compat.apply(["rllm_metrics_table"], module, platform=compat.this_machine()):
         yield
         return
-    setattr(module, NAME, write_metrics)
     try:
         yield
     finally:

@@ -1,14 +1,15 @@
-"""The run's own sinks (``metrics.jsonl``, the progress bar) in rLLM's ``Tracking``.
+"""The ``rllm_tracking`` set: the run's sinks (``metrics.jsonl``, the progress bar) in rLLM's ``Tracking``.
 
 rLLM's trainer builds its ``Tracking`` from the names in ``rllm.trainer.logger`` and takes no
 logger object, but ``Tracking.log`` hands every record to each entry of its ``logger`` table, so
-the sinks are added to that table: no rLLM method is replaced. The fallback trainer's logger has
-the same table.
+the sinks are added to that table: no rLLM method is replaced. With the set off, rLLM's
+``Tracking`` is left as rLLM built it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -18,9 +19,9 @@ class Sink(Protocol):
     def log(self, data: Any, step: int) -> None: ...
 
 
-def add_sinks(tracking: Any, **sinks: Sink) -> bool:
-    """Add ``sinks`` after the trainer's own loggers; returns whether they were added (a trainer
-    logger without the table, an rLLM version that logs differently, trains on without them)."""
+def apply(tracking: Any, sinks: Mapping[str, Sink]) -> None:
+    """Add ``sinks`` after the trainer's own loggers; a trainer logger without the table (an rLLM
+    version that logs differently) trains on without them, with a warning."""
     table = getattr(tracking, "logger", None)
     if not isinstance(table, dict):
         logger.warning(
@@ -28,6 +29,5 @@ def add_sinks(tracking: Any, **sinks: Sink) -> bool:
             type(tracking).__name__,
             ", ".join(sinks),
         )
-        return False
+        return
     table.update(sinks)
-    return True

@@ -1,11 +1,14 @@
-"""SIGTERM stops a run the way Ctrl-C does, whatever the run is doing when it arrives.
+"""The ``sigterm`` set: SIGTERM stops a run the way Ctrl-C does, whatever the run is doing then.
 
 Inside ``asyncio.run`` (rLLM's trainers and ours) Ctrl-C does not raise where it lands: the runner's
 SIGINT handler cancels the main task and the run unwinds through its ``finally`` blocks. An
 exception raised by a signal handler lands in whatever the loop is running, often an HTTP client's
 task half-way through a socket write, which dies of it ("Task exception was never retrieved" on top
 of the one-line stop). Ray's driver handler (``sys.exit(15)``, installed by ``ray.init`` from the
-main thread) does exactly that, so the runtime settles SIGTERM after ``ray.init``.
+main thread) does exactly that, so the run applies this set right after ``ray.init``: Ray's
+handler is replaced by this module's. ``install`` alone, before ``ray.init``, takes only a SIGTERM
+nobody handles (``run.exits.clean_stop``); with the set off, Ray's handler stays and its exit is
+reported as a stop.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import signal
 import sys
 import threading
 
-__all__ = ["Terminated", "after_ray_init", "install", "received", "uninstall"]
+__all__ = ["Terminated", "apply", "install", "received", "uninstall"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -50,9 +53,9 @@ def install() -> bool:
     return True
 
 
-def after_ray_init() -> None:
-    """Once Ray is up: this module's handler if ``install`` took SIGTERM, else the exit Ray's driver
-    handler makes (which ``ray.init`` installs only when called from the main thread)."""
+def apply() -> None:
+    """Once Ray is up (at every ``ray.init``): this module's handler if ``install`` took SIGTERM,
+    else the exit Ray's driver handler makes (which ``ray.init`` installs only from the main thread)."""
     if threading.current_thread() is not threading.main_thread():
         return
     if _installed:

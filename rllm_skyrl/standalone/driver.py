@@ -83,8 +83,7 @@ class ConsoleLine:
 
 class Tracking:
     """rLLM's ``Tracking`` with the one logger this trainer has, ``console``. Like rLLM's, it hands
-    each record to every entry of its ``logger`` table, where a run adds its own sinks
-    (``compat.rllm_tracking``)."""
+    each record to every entry of its ``logger`` table; ``add_sinks`` adds a run's own."""
 
     def __init__(self, loggers: str | list[str], total_steps: int) -> None:
         loggers = [loggers] if isinstance(loggers, str) else list(loggers)
@@ -93,6 +92,9 @@ class Tracking:
                 "without rLLM, metrics go to the console and metrics.jsonl only: %s ignored", loggers
             )
         self.logger: dict[str, Any] = {"console": ConsoleLine(total_steps)} if "console" in loggers else {}
+
+    def add_sinks(self, sinks: Mapping[str, Any]) -> None:
+        self.logger.update(sinks)
 
     def log(self, data: Mapping[str, Any], step: int) -> None:
         for sink in self.logger.values():
