@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import PAIRS, descendants, hf_logprobs, reap, sft_batch, skyrl_overrides, wait_until
 
+from rllm_skyrl import compat
 from rllm_skyrl.cli import main, plan
+from rllm_skyrl.hardware import Platform
 
 
 def test_plan_shows_placement_and_resolved_config_without_starting_anything():
@@ -40,6 +42,37 @@ def test_plan_shows_placement_and_resolved_config_without_starting_anything():
     assert ray.is_initialized() == was_running
 
 
+def _patch_sets(text: str, platform: str) -> tuple[list[str], list[str]]:
+    """The plan's list for ``platform``: (SkyRL's training code, the driver process) lines."""
+    (section,) = [part for part in text.split("\n\n") if part.startswith(f"# patch sets on {platform}:")]
+    lines = section.splitlines()[1:]
+    split = next(i for i, line in enumerate(lines) if line.startswith("the driver process"))
+    return [line.strip() for line in lines[1:split]], [line.strip() for line in lines[split + 1 :]]
+
+
+def test_plan_lists_the_patch_sets_of_the_gpu_cluster_and_of_this_cpu_machine():
+    """On CUDA SkyRL's training code gets only bug fixes; the driver-side sets are listed apart,
+    saying why they apply there too. A CPU machine's run adds its enablement and speed sets."""
+    overrides = ["model.path=org/some-8b-model"]
+    text = plan(overrides, here=Platform(cuda=False))
+    training, driver = _patch_sets(text, "CUDA")
+    assert [line.split(" ")[0] for line in training] == ["tied_embeddings"]
+    assert all("(bug fix)" in line for line in training)
+    driver_sets = ["output_masking", "quiet_logs", "sigterm", "rllm_agent_trainer", "rllm_tracking"]
+    assert [line.split(" ")[0] for line in driver] == driver_sets
+    assert "SkyRL's training code untouched" in text and "backend='skyrl'" in text
+    training, driver = _patch_sets(text, "CPU")
+    assert [line.split(" ")[0] for line in training] == [
+        *compat.for_platform(Platform(cuda=False)),
+        "local_ray",
+        "rllm_metrics_table",
+    ]
+    assert "response_logits (speed): the LM head over the response window only" in text
+    assert [line.split(" ")[0] for line in driver] == driver_sets
+    on_a_gpu_machine = plan(overrides, here=Platform.gpu_cluster())
+    assert "# patch sets on CUDA:" in on_a_gpu_machine and "# patch sets on CPU:" not in on_a_gpu_machine
+
+
 def test_rllm_skyrl_plan_from_the_command_line():
     """The installed console script runs ``launcher.main``: ``plan`` prints the plan, exits 0, and
     nothing else (SkyRL's import-time notes, such as its vLLM patches skipped here, stay quiet)."""
@@ -54,6 +87,8 @@ def test_rllm_skyrl_plan_from_the_command_line():
     assert "policy: 1 node(s) x 1 GPU(s) = 1 training GPU(s)" in result.stdout
     assert "ref: 1 node(s) x 1 GPU(s)" in result.stdout  # the KL term brings a reference model
     assert "use_kl_loss: true" in result.stdout and "path: org/some-8b-model" in result.stdout
+    assert "# patch sets on CUDA: the GPU cluster this plan is for" in result.stdout
+    assert "# patch sets on CPU: this machine" in result.stdout  # the test machine has no GPU
     assert result.stderr == ""
 
 

@@ -228,7 +228,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "ray.init installs a SIGTERM handler that raises SystemExit wherever the signal lands, "
         "often inside an HTTP client's task, which dies of it; the handler is replaced by one that "
         "cancels the run's event loop as Ctrl-C does",
-        "SIGTERM stops a run with exit code 143 and no traceback, its finally blocks run",
+        "SIGTERM stops a run as Ctrl-C does: no traceback, its finally blocks run",
         "Ray: leave a handler the application installed before ray.init in place",
         {"ray": (RAY,), "python": (PYTHON,)},
         each_call=True,
