@@ -242,8 +242,9 @@ class SkyRLBackend:
         if resumed is not None or self.run.lora.enabled:  # a LoRA policy is served once it is synced
             await self._sync_weights(version=resumed or 0)
         # What is alive now (torch, transformers, Ray, the run's own state) lives for the whole run.
-        # Frozen, it is no longer walked by every full collection: unfrozen, those took 250 ms each,
-        # every 2 s of the quickstart's training. Collected first, so no garbage is frozen with it.
+        # Frozen, it is no longer walked by every full collection, which otherwise took a large share
+        # of the quickstart's training (bench/README.md: 'A step'). Collected first, so no garbage
+        # is frozen with it.
         gc.collect()
         gc.freeze()
 

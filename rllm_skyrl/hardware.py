@@ -87,7 +87,7 @@ class Platform:
         """The trained models' ``fsdp_config.reshard_after_forward`` unless set.
 
         Resharding re-gathers each layer's weights for the backward to save GPU memory. On CPU memory
-        is not the limit and the copy is time (6% of a SmolLM2-135M forward-backward).
+        is not the limit and the copy is time (bench/README.md: 'A step').
         """
         return self.cuda
 

@@ -2,12 +2,12 @@
 
 SkyRL shares its policy-loss and advantage-estimator registries between the driver and the
 workers (so a custom loss registered in the driver is found in them) through a named Ray actor
-each: a worker process holding a dict. On two cores the two took 2-5 core-seconds of start-up and
-two of Ray's worker-start slots (the training worker waited behind them), and every process that
-imported SkyRL's losses with Ray up made a round trip per built-in function. Here a registry is a
-namespace of the GCS key-value store every process reaches (``ray.experimental.internal_kv``, also
-across nodes) answering the actor's four calls; SkyRL's register / get / sync / unregister code
-runs unchanged around it.
+each: a worker process holding a dict. On two cores the two took core-seconds of start-up
+(bench/README.md: 'Start-up') and two of Ray's worker-start slots (the training worker waited
+behind them), and every process that imported SkyRL's losses with Ray up made a round trip per
+built-in function. Here a registry is a namespace of the GCS key-value store every process
+reaches (``ray.experimental.internal_kv``, also across nodes) answering the actor's four calls;
+SkyRL's register / get / sync / unregister code runs unchanged around it.
 
 ``ppo_utils`` registers the built-ins when imported, in every process: ``apply`` imports it first
 with those registrations kept local, as without Ray, then installs the store.

@@ -59,8 +59,8 @@ def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """SkyRL's ``logprobs_from_logits``, with its fallback's log-sum-exp taken over chunks of rows.
 
     Without flash-attn's CUDA kernel SkyRL takes one ``logsumexp`` per row (to bound memory): over
-    a window of a few positions, a batch's worth of tiny kernels (the quickstart's 512 rows: 40 ms
-    against 7 ms in chunks). Chunks of ``LOGSUMEXP_CHUNK`` elements bound memory the same way and
+    a window of a few positions, a batch's worth of tiny kernels, several times the chunked time
+    (bench/README.md: 'A step'). Chunks of ``LOGSUMEXP_CHUNK`` elements bound memory the same way and
     give the same values bit for bit: each row's reduction is unchanged.
     """
     from skyrl.backends.skyrl_train.utils.torch_utils import (

@@ -6,10 +6,12 @@ the training worker on the path to the first step:
 
 - the map of every top-level import name to the distributions that install it
   (``importlib.metadata.packages_distributions``): Python builds it from every installed
-  distribution's file list, checking that each listed file exists (about 0.55 CPU-seconds here);
+  distribution's file list, checking that each listed file exists;
 - the names each of its ~1,500 model modules exports (``define_import_structure``): it reads every
   one of those files, twice in a process that loads a model (for the package and for
-  ``transformers.models``), about 0.39 s each here.
+  ``transformers.models``).
+
+Both cost a noticeable share of a CPU run's start-up (bench/README.md: 'Start-up').
 
 A distribution's install, upgrade or removal creates or removes its metadata directory, so each
 table is kept in a file named after those directories and their modification times. A distribution

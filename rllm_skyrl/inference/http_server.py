@@ -132,7 +132,7 @@ def bind(host: str, port: int) -> socket.socket:
 
     IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says
     TCP. Without it Nagle holds a response's body until the client acknowledges its headers, and the
-    client's delayed ACK makes that 40 ms.
+    client's delayed ACK makes that wait (bench/README.md: 'A step').
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -57,7 +57,7 @@ class ServerGroup:
     owns_weights_root: bool = False
     model_dir: str | None = None
     # One connection pool for the weight reloads: a new client per call builds a TLS context
-    # (~10 ms) every step.
+    # every step (bench/README.md: 'A step').
     _http: httpx.Client = field(default_factory=httpx.Client, init=False, repr=False)
 
     @property

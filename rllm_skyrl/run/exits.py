@@ -38,7 +38,8 @@ def clean_stop(always: bool = False) -> Iterator[None]:
     minute. With this, SIGTERM unwinds like Ctrl-C (``compat.sigterm``). On the command line (a Hydra
     app, or ``always``) the stop is one line and exit code 130 (Ctrl-C) or 143 (SIGTERM), and live
     objects are frozen at exit: the interpreter's last garbage collection would otherwise walk
-    everything torch, Ray and transformers loaded, 5 s on two busy cores.
+    everything torch, Ray and transformers loaded, seconds on two busy cores
+    (bench/README.md: 'Start-up').
     """
     from hydra.core.hydra_config import HydraConfig
 

@@ -346,7 +346,7 @@ def apply_loss_reduction(
     uids = batch.metadata.get("uids")
     if skyrl_reduction == "prompt_mean" and uids is None:
         raise ValueError("prompt_mean needs metadata['uids'] (the group of each row)")
-    if skyrl_reduction == "prompt_mean":  # its module imports datasets and pandas: 1 s at start-up
+    if skyrl_reduction == "prompt_mean":  # its module imports datasets and pandas
         from skyrl.train.dataset.preprocess import compute_prompt_boundaries
     advantages_BT = batch["advantages"]
     scaled_BT = torch.zeros_like(advantages_BT)

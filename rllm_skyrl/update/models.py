@@ -251,7 +251,7 @@ class ModelRegistry:
 
         Given a loss by name, SkyRL's worker looks it up in its registry (a sync with Ray's key-value
         store); given ``loss_fn_config`` it merges that into its AlgorithmConfig with OmegaConf, once
-        per micro-batch (10-30 ms here). Without them it computes its configured loss, as SkyRL's
+        per micro-batch (bench/README.md: 'A step'). Without them it computes its configured loss, as SkyRL's
         own trainer does.
         """
         algorithm = self._algorithm[POLICY]
