@@ -58,7 +58,14 @@ def test_plan_lists_the_patch_sets_of_the_gpu_cluster_and_of_this_cpu_machine():
     training, driver = _patch_sets(text, "CUDA")
     assert [line.split(" ")[0] for line in training] == ["tied_embeddings"]
     assert all("(bug fix)" in line for line in training)
-    driver_sets = ["output_masking", "quiet_logs", "sigterm", "rllm_agent_trainer", "rllm_tracking"]
+    driver_sets = [
+        "output_masking",
+        "quiet_logs",
+        "sigterm",
+        "rllm_agent_trainer",
+        "rllm_gateway",
+        "rllm_tracking",
+    ]
     assert [line.split(" ")[0] for line in driver] == driver_sets
     assert "SkyRL's training code untouched" in text and "backend='skyrl'" in text
     training, driver = _patch_sets(text, "CPU")
