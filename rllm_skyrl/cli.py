@@ -90,8 +90,12 @@ def placement_summary(run) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``."""
+    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``, or
+    ``rllm-skyrl train BENCHMARK --agent A --evaluator E [rllm train's flags]``."""
     import argparse
+    import sys
+
+    from rllm_skyrl.run import train_command
 
     parser = argparse.ArgumentParser(prog="rllm-skyrl")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,12 +105,21 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-dir", help="directory of the run config (default: packaged)")
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
+    train_command.add_parser(commands)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        with one_line_errors(always=True):
+            train_command.refuse_unsupported(argv[1:])
     args = parser.parse_args(argv)
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
     quiet_libraries()  # as in a run: SkyRL's import-time notes (e.g. its vLLM patches skipped) stay off
-    with one_line_errors(always=True):  # "plan" is the only command
+    if args.command == "train":
+        with one_line_errors(always=True):
+            train_command.train(args)
+        return
+    with one_line_errors(always=True):
         print(plan(args.overrides, args.config_name, args.config_dir))
 
 
