@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import sys
 
-    from rllm_skyrl.run import train_command
+    from rllm_skyrl import train_command
 
     parser = argparse.ArgumentParser(prog="rllm-skyrl")
     commands = parser.add_subparsers(dest="command", required=True)
