@@ -105,12 +105,15 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-dir", help="directory of the run config (default: packaged)")
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
-    train_command.add_parser(commands)
+    commands.add_parser("train", help=train_command.SUMMARY, add_help=False)  # listed; parsed below
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
         with one_line_errors(always=True):
             train_command.refuse_unsupported(argv[1:])
-    args = parser.parse_args(argv)
+        args = train_command.build_parser().parse_intermixed_args(argv[1:])
+        args.command = "train"
+    else:
+        args = parser.parse_args(argv)
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()

@@ -28,11 +28,15 @@ UNSUPPORTED = (
 )
 
 
-def add_parser(commands: Any) -> argparse.ArgumentParser:
-    parser = commands.add_parser(
-        "train",
-        help="rLLM's `rllm train` with backend skyrl: train an AgentFlow on a registered dataset",
-        description=f"Not supported (refused by name): {', '.join(UNSUPPORTED)}.",
+SUMMARY = "rLLM's `rllm train` with backend skyrl: train an AgentFlow on a registered dataset"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser of its own: Hydra overrides may stand among the flags (parse_intermixed_args),
+    which argparse does not do for a subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="rllm-skyrl train",
+        description=f"{SUMMARY}. Not supported (refused by name): {', '.join(UNSUPPORTED)}.",
     )
     parser.add_argument("benchmark", help="dataset name in rLLM's DatasetRegistry")
     parser.add_argument("--train-dataset", help="training dataset name (default: <benchmark>)")

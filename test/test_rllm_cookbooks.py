@@ -149,7 +149,7 @@ def calculator_model(base: str) -> str:
     return str(taught_model(base, examples, steps=12 * len(examples)))
 
 
-def run_cookbook(name: str, model: str, tmp_path: Path) -> dict:
+def run_cookbook(name: str, model: str, tmp_path: Path, *extra: str) -> dict:
     for dataset, split, rows in DATASETS[name]():
         register(dataset, split, rows)
     command = [
@@ -161,6 +161,7 @@ def run_cookbook(name: str, model: str, tmp_path: Path) -> dict:
         f"rllm.trainer.run_dir={tmp_path}/run",
         f"training.default_local_dir={tmp_path}/ckpt",
         f"hydra.run.dir={tmp_path}/hydra",
+        *extra,
     ]
     start = time.monotonic()
     result = subprocess.run(
@@ -196,8 +197,12 @@ def test_cookbook_trains_unchanged(name, installed, long_context_model, tmp_path
 
 @pytest.mark.slow
 def test_math_tool_agent_trains_through_real_tool_calls(installed, long_context_model, tmp_path):
-    run = run_cookbook("math_tool_agent", calculator_model(long_context_model), tmp_path)
+    # room for a whole call (about 40 tokens) in one reply
+    run = run_cookbook(
+        "math_tool_agent", calculator_model(long_context_model), tmp_path, "data.max_response_length=64"
+    )
     check_trained(run)
+    assert run["validation"]["val/math500/n_turns"] > 1, run["validation"]  # the calculator was called
 
 
 def test_geo3k_is_refused_in_one_line_with_a_text_only_model(tiny_model_dir):
