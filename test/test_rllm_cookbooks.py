@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, taught_model
+from helpers import REPO
 from rllm_harness import requires_rllm
 
 pytestmark = requires_rllm
@@ -128,28 +128,7 @@ DATASETS = {
 }
 
 
-def calculator_model(base: str) -> str:
-    """The tiny model taught the math tool agent's two turns on the registered questions: call the
-    calculator, then box the result it returns. So its runs take the tool path for real: a tool call
-    parsed by the server, executed by the flow, its result rendered into the next turn."""
-    sys.path.insert(0, str(cookbook_dir("math_tool_agent")))
-    try:
-        from math_tool_agent import SYSTEM_PROMPT, TOOLS
-    finally:
-        sys.path.pop(0)
-    examples = []
-    for row in math_rows(TRAIN_ROWS, 0, "deepscaler_math") + math_rows(TEST_ROWS, 1, "math500"):
-        a, b = row["question"].removeprefix("What is ").removesuffix("?").split(" plus ")
-        ask = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}]
-        call = {"name": "calculate", "arguments": {"expression": f"{a}+{b}"}}
-        called = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": call}]}
-        result = {"role": "tool", "tool_call_id": "c", "content": row["answer"]}
-        examples.append((ask, TOOLS, f"<tool_call>{json.dumps(call)}</tool_call>"))
-        examples.append(([*ask, called, result], TOOLS, f"\\boxed{{{row['answer']}}}"))
-    return str(taught_model(base, examples, steps=12 * len(examples)))
-
-
-def run_cookbook(name: str, model: str, tmp_path: Path, *extra: str) -> dict:
+def run_cookbook(name: str, model: str, tmp_path: Path) -> dict:
     for dataset, split, rows in DATASETS[name]():
         register(dataset, split, rows)
     command = [
@@ -161,7 +140,6 @@ def run_cookbook(name: str, model: str, tmp_path: Path, *extra: str) -> dict:
         f"rllm.trainer.run_dir={tmp_path}/run",
         f"training.default_local_dir={tmp_path}/ckpt",
         f"hydra.run.dir={tmp_path}/hydra",
-        *extra,
     ]
     start = time.monotonic()
     result = subprocess.run(
@@ -190,19 +168,9 @@ def check_trained(run: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["math", "solver_judge_flow", "frozenlake"])
+@pytest.mark.parametrize("name", COOKBOOKS)
 def test_cookbook_trains_unchanged(name, installed, long_context_model, tmp_path):
     check_trained(run_cookbook(name, long_context_model, tmp_path))
-
-
-@pytest.mark.slow
-def test_math_tool_agent_trains_through_real_tool_calls(installed, long_context_model, tmp_path):
-    # room for a whole call (about 40 tokens) in one reply
-    run = run_cookbook(
-        "math_tool_agent", calculator_model(long_context_model), tmp_path, "data.max_response_length=64"
-    )
-    check_trained(run)
-    assert run["validation"]["val/math500/n_turns"] > 1, run["validation"]  # the calculator was called
 
 
 def test_geo3k_is_refused_in_one_line_with_a_text_only_model(tiny_model_dir):
