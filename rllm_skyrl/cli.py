@@ -136,8 +136,12 @@ def placement_summary(run) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``."""
+    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``, or
+    ``rllm-skyrl train BENCHMARK --agent A --evaluator E [rllm train's flags]``."""
     import argparse
+    import sys
+
+    from rllm_skyrl import train_command
 
     parser = argparse.ArgumentParser(prog="rllm-skyrl")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -147,12 +151,24 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-dir", help="directory of the run config (default: packaged)")
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
-    args = parser.parse_args(argv)
+    commands.add_parser("train", help=train_command.SUMMARY, add_help=False)  # listed; parsed below
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        with one_line_errors(always=True):
+            train_command.refuse_unsupported(argv[1:])
+        args = train_command.build_parser().parse_intermixed_args(argv[1:])
+        args.command = "train"
+    else:
+        args = parser.parse_args(argv)
     from rllm_skyrl.compat.output_masking import mask_process_output
 
     mask_process_output()
     compat.apply(["quiet_logs"])  # as in a run: SkyRL's import-time notes (its vLLM patches skipped) stay off
-    with one_line_errors(always=True):  # "plan" is the only command
+    if args.command == "train":
+        with one_line_errors(always=True):
+            train_command.train(args)
+        return
+    with one_line_errors(always=True):
         print(plan(args.overrides, args.config_name, args.config_dir))
 
 

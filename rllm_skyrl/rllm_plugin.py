@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE, remove
+from rllm_skyrl.data import modality
 from rllm_skyrl.optional_deps import require
 from rllm_skyrl.rollout import gateway
 
@@ -55,8 +56,10 @@ class SkyRLTrainerLauncher:
                 f"backend={BACKEND_NAME!r} provisions no sandboxes: drop {', '.join(sandbox)}, or pass "
                 "hooks= that set up each task's environment"
             )
-        why = gateway.refusal(config)
-        if why is not None:
+        model = str(OmegaConf.select(config, "model.name", default=None) or "")
+        images = modality.text_only_refusal(model, train_dataset=train_dataset, val_dataset=val_dataset)
+        why = gateway.refusal(config) or images
+        if why:
             raise ValueError(why)
         has_flow = kwargs.get("agent_flow") is not None
         if has_flow and kwargs.get("evaluator") is None and kwargs.get("hooks") is None:

@@ -13,11 +13,30 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# ChatML, plus the Hermes tool convention Qwen models use: tools listed in the system turn, an
+# assistant's calls as <tool_call>{"name", "arguments"}</tool_call>, results in a "tool" turn. A chat
+# without tools renders as plain ChatML; an assistant turn holding only tool calls has no content.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    '{{- \'\n</tools>\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] or call %}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) %}"
+    "{{- '<tool_call>{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -44,7 +63,8 @@ class TinyModelConfig:
     seed: int = 0
 
     def key(self) -> str:
-        payload = json.dumps(asdict(self) | {"corpus": _corpus_version()}, sort_keys=True)
+        built_from = {"corpus": _corpus_version(), "template": CHAT_TEMPLATE}
+        payload = json.dumps(asdict(self) | built_from, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

@@ -7,8 +7,10 @@ deleted on its own.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -343,3 +345,59 @@ class TrajectoryGroup:
 def group_of(*trajectories: Trajectory, task: str = "task-3") -> TrajectoryGroup:
     metadata = [{"task_id": task, "rollout_idx": i} for i in range(len(trajectories))]
     return TrajectoryGroup(list(trajectories), f"{task}:{trajectories[0].name}", metadata)
+
+
+# --------------------------------------------------------------------------- taught tiny models
+
+
+def taught_model(
+    model_dir: str | Path,
+    examples: list[tuple[list[dict], list[dict] | None, str]],
+    steps: int = 80,
+    cache_dir: Path | None = None,
+) -> Path:
+    """The tiny model fine-tuned until it replies ``reply`` to each ``(messages, tools, reply)``: a
+    model that really writes a given text (a tool call, an answer) when a test needs the server or
+    a flow to see one. Loss on the reply and its end token only. Saved beside the tiny models, keyed
+    by the base model and the examples, so a test run teaches each one once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rllm_skyrl.tiny_model import default_cache_dir
+
+    key = hashlib.sha256(json.dumps([str(model_dir), examples, steps], sort_keys=True).encode()).hexdigest()
+    out = Path(cache_dir or default_cache_dir()) / f"taught-{key[:16]}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rows = []
+    for messages, tools, reply in examples:
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        reply_ids = tokenizer.encode(reply, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids = torch.tensor([prompt_ids + reply_ids])
+        labels = ids.clone()
+        labels[0, : len(prompt_ids)] = -100
+        rows.append((ids, labels))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend (15x slower on two cores)
+    try:
+        for step in range(steps):
+            ids, labels = rows[step % len(rows)]
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(out)
+    except OSError:  # another test process taught the same model first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -3,7 +3,9 @@
 Agent harnesses talk to the policy through these. Sampling keys follow vLLM's OpenAI server
 (``top_k``, ``min_p``, ``stop_token_ids``, ``return_token_ids``...); keys that only shape the
 transport (``user``, ``stream_options``...) are ignored. A request's own ``chat_template`` is
-refused, as vLLM does unless started with ``--trust-request-chat-template``.
+refused, as vLLM does unless started with ``--trust-request-chat-template``. With ``tools``, a
+reply's calls come back as OpenAI ``tool_calls``, read by the model's template convention
+(``tool_calls.py``), as vLLM does with ``--enable-auto-tool-choice``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from functools import partial
 from itertools import accumulate
 from typing import Any
 
-from rllm_skyrl.inference import checks
+from rllm_skyrl.inference import checks, tool_calls
 from rllm_skyrl.inference.checks import INT32_MAX
 from rllm_skyrl.inference.errors import ApiError
 from rllm_skyrl.inference.generation_request import GenerationResult
@@ -94,6 +96,7 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
     params = _sampling_params(body, top if flag(body, "logprobs") else None)
     n = num_choices(body)
     return_token_ids = flag(body, "return_token_ids")
+    read_calls = tool_calls.wants_calls(body, tool_calls.template_convention(service.tokenizer.chat_template))
     prompt_ids = await service.render_chat(
         body.get("messages"),
         tools=body.get("tools"),
@@ -104,14 +107,14 @@ async def chat_completion(service: InferenceService, body: dict[str, Any]) -> di
     results = await service.generate_many(n_jobs(prompt_ids, params, n), adapter)
     choices = []
     for index, result in enumerate(results):
+        text = service.output_text(result, params)
+        message = tool_calls.openai_message(text) if read_calls else {"role": "assistant", "content": text}
+        # vLLM's reason for a reply that ended to call tools
+        called = bool(message.setdefault("tool_calls", [])) and result.finish_reason == "stop"
         choice: dict[str, Any] = {
             "index": index,
-            "message": {
-                "role": "assistant",
-                "content": service.output_text(result, params),
-                "tool_calls": [],
-            },
-            "finish_reason": result.finish_reason,
+            "message": message,
+            "finish_reason": "tool_calls" if called else result.finish_reason,
             "stop_reason": result.stop_reason,
             "logprobs": logprobs_content(result, partial(_chat_entry, service)),
         }

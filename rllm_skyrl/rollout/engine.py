@@ -10,12 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from rllm_skyrl import rllm_api
+from rllm_skyrl.inference.tool_calls import find_calls
 from rllm_skyrl.records import ModelOutput
 from rllm_skyrl.rollout import gateway
 from rllm_skyrl.rollout.ledger import RolloutLedger
@@ -36,7 +36,6 @@ RENDER_CACHE_SIZE = 4096
 _RENDER_KEY = json.JSONEncoder(sort_keys=True)
 
 _THINK_END = "</think>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -351,14 +350,4 @@ def _split_reasoning(text: str) -> tuple[str, str]:
 
 
 def _parse_tool_calls(content: str) -> list[Any]:
-    calls = []
-    for raw in _TOOL_CALL.findall(content):
-        try:
-            payload = json.loads(raw)
-            arguments = payload.get("arguments", {})
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            calls.append(rllm_api.tool_call(str(payload["name"]), dict(arguments)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-            logger.debug("skipping a malformed tool call: %r", raw)
-    return calls
+    return [rllm_api.tool_call(call.name, call.arguments) for call in find_calls(content)]

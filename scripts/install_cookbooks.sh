@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install rLLM cookbooks into the project's environment as their READMEs do, each with the
+# dependencies its pyproject.toml declares, plus rLLM's `rewards` extra (sympy, pylatexenc), which the
+# math cookbooks' graders import. rLLM must already be installed from its source (scripts/install_rllm.sh).
+#
+#   scripts/install_cookbooks.sh math solver_judge_flow math_tool_agent frozenlake
+#
+# Safe to run again: uv finds everything in place and installs nothing.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RLLM_SKYRL_ENV_FUNCTIONS_ONLY=1 source "$ROOT/scripts/env.sh"
+OVERRIDES="$ROOT/constraints/rllm-overrides.txt"
+
+if [ $# -eq 0 ]; then
+  echo "usage: $0 COOKBOOK... (folder names under rLLM's cookbooks/)" >&2
+  exit 2
+fi
+RLLM_DIR="$(cd / && "$VENV/bin/python" -c 'import pathlib, rllm; print(pathlib.Path(rllm.__file__).resolve().parent.parent)' 2>/dev/null)" \
+  || { echo "error: rLLM is not installed in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
+UV="$(command -v uv || echo "$VENV/bin/uv")"
+[ -x "$UV" ] || { echo "error: no uv on PATH or in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
+
+targets=(-e ".[rewards]")
+for name in "$@"; do
+  [ -f "$RLLM_DIR/cookbooks/$name/pyproject.toml" ] \
+    || { echo "error: $RLLM_DIR/cookbooks/$name is not a cookbook (no pyproject.toml)" >&2; exit 2; }
+  targets+=(-e "cookbooks/$name")
+done
+(cd "$RLLM_DIR" && "$UV" pip install --quiet --python "$VENV/bin/python" --override "$OVERRIDES" -e "$ROOT[dev]" "${targets[@]}")
