@@ -32,8 +32,11 @@ case "$rllm_install" in
 esac
 marker="not slow"
 if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; fi
+# CI lists its 25 longest tests on every run, so the suite's cost stays in view.
+durations=()
+if [ "${CI:-}" = "true" ]; then durations=(--durations=25); fi
 set +e
-python -m pytest -m "$marker" "$@"
+python -m pytest -m "$marker" "${durations[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
