@@ -417,5 +417,9 @@ def test_on_policy_learns_the_digit_task(tmp_path):
     cfg = rllm_config(tmp_path, *_learning_overrides("rllm.trainer.total_batches=170"))
     run_rllm(cfg, SimpleWorkflow, {"reward_function": digit_reward}, digit_rows(4096))
     records = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    assert len(records) == 170
     assert last_mean(records[:10], "reward/mean") <= 0.3
     assert last_mean(records, "reward/mean") >= 0.8
+    # Trainer and server hold the same policy at every step of a run whose weights move a lot.
+    gaps = [r["train/logprob_abs_diff/mean"] for r in records if "train/logprob_abs_diff/mean" in r]
+    assert max(gaps) < 1e-3, "rollout and trainer disagree on the policy"
