@@ -8,14 +8,16 @@
 - the environment itself: rLLM's dependencies import, ``pip check`` lists only the named conflicts,
   and each override holds where rLLM uses the package (run where install_rllm.sh built the venv;
   skipped elsewhere, and a CI run fails on that skip);
-- an environment that already has rLLM and its dependencies: ``pip install -e .`` stops with one
-  message and changes nothing, the command it names works, and ``pip install -e .`` then leaves
-  the environment as it was (slow: it builds its own venv).
+- an environment that already has rLLM's dependencies at the versions rLLM asks for: ``pip install
+  -e .`` stops with one message and changes nothing; in the environment the command it names built
+  (the one the suite runs in), ``pip install -e .`` would change nothing but the project itself
+  (slow: pip builds the project's metadata, twice).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -302,8 +304,8 @@ def test_litellm_proxy_serves_and_renders_with_skyrls_rich(tmp_path, monkeypatch
 # ------------------------------------------------------------------ an environment that has rLLM already
 
 
-def _freeze(python: Path) -> list[str]:
-    result = _run([python, "-m", "pip", "freeze", "--all"], timeout=300)
+def _freeze(uv: str, python: Path) -> list[str]:
+    result = _run([uv, "pip", "freeze", "--python", python], timeout=300)
     assert result.returncode == 0, result.stderr
     return sorted(result.stdout.splitlines())
 
@@ -312,46 +314,58 @@ def _pip_warned(output: str) -> bool:
     return "dependency resolver does not currently take into account" in output or "incompatible" in output
 
 
+def _as_rllm_asks(site_dirs: list[str]) -> list[str]:
+    """What the check reads of an environment rLLM's install guide built: each package that overrides
+    one of rLLM's requirements, at the versions rLLM's packages ask for, and those packages at the
+    versions this environment has (taken from its own metadata, not written down here)."""
+    installed = rllm_overrides.installed_distributions(site_dirs)
+    out = []
+    for override in rllm_overrides.read_overrides():
+        asked = SpecifierSet()
+        for owner in override.overridden:
+            dist = installed[canonicalize_name(owner.name)]
+            out.append(f"{owner.name}=={dist.version}")
+            for requirement in rllm_overrides.requirements_on(dist, override.package, owner.extras):
+                asked &= requirement.specifier
+        assert not rllm_overrides.compatible(asked, override.requirement.specifier), override.package
+        out.append(f"{override.package}{asked}")
+    return out
+
+
 @requires_full_env
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(1200)
 def test_pip_install_beside_rllm_stops_with_one_message_and_the_command_it_names_works(tmp_path):
-    """A venv with rLLM installed as its install guide says (uv, in its checkout). ``pip install -e .``
-    of this project stops before changing anything, naming install_rllm.sh; that command then
-    installs the backend with the overrides; ``pip install -e .`` afterwards changes nothing and warns
-    of nothing."""
+    """A venv holding rLLM's dependencies at the versions rLLM asks for: ``pip install -e .`` of this
+    project stops before changing anything, naming install_rllm.sh. The environment that command
+    built (the one this suite runs in, as scripts/test.sh installs it) is left as it is by ``pip
+    install -e .``: pip would reinstall the project alone, with nothing to warn of."""
     uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
-    checkout = rllm_source()
+    here = rllm_overrides.target_site_dirs()
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
-    env = {"RLLM_SKYRL_VENV": str(venv), "VIRTUAL_ENV": ""}
-    try:
-        base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
-        assert _run([base, "-m", "venv", venv], timeout=300).returncode == 0
-        assert _run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], timeout=600).returncode == 0
-        installed = _run([uv, "pip", "install", "--python", python, "-e", "."], cwd=checkout, timeout=900)
-        assert installed.returncode == 0, installed.stderr[-3000:]
-        before = _freeze(python)
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    assert _run([base, "-m", "venv", "--without-pip", venv], timeout=300).returncode == 0
+    packages = _as_rllm_asks(here)
+    installed = _run([uv, "pip", "install", "--python", python, "--no-deps", *packages], timeout=900)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    before = _freeze(uv, python)
 
-        refused = _run([python, "-m", "pip", "install", "-e", REPO], timeout=600)
-        output = refused.stdout + refused.stderr
-        assert refused.returncode != 0, output[-3000:]
-        assert output.count("rllm-skyrl: not installing") == 1, output[-5000:]
-        assert f"RLLM_SKYRL_VENV={venv} scripts/install_rllm.sh PATH_TO_RLLM_CHECKOUT" in output
-        assert "tinker-cookbook 0.5.8 requires transformers" in output
-        assert not _pip_warned(output)
-        assert _freeze(python) == before
+    refused = _run([sys.executable, "-m", "pip", "--python", python, "install", "-e", REPO], timeout=600)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0, output[-3000:]
+    assert output.count("rllm-skyrl: not installing") == 1, output[-5000:]
+    assert f"RLLM_SKYRL_VENV={venv} scripts/install_rllm.sh PATH_TO_RLLM_CHECKOUT" in output
+    assert "tinker-cookbook 0.5.8 requires transformers" in output
+    assert not _pip_warned(output)
+    assert _freeze(uv, python) == before
 
-        done = _run([REPO / "scripts/install_rllm.sh", checkout], env=env, timeout=1200)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
-        assert "[named in constraints/rllm-overrides.txt]" in done.stdout
-
-        before = _freeze(python)
-        again = _run([python, "-m", "pip", "install", "-e", REPO], timeout=600)
-        assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
-        assert not _pip_warned(again.stdout + again.stderr), again.stdout + again.stderr
-        assert _freeze(python) == before
-        check = _run([python, REPO / "build_backend/rllm_overrides.py", "pip-check", python], timeout=300)
-        assert check.returncode == 0, check.stdout + check.stderr
-    finally:
-        shutil.rmtree(venv, ignore_errors=True)
+    # The suite's own environment is what install_rllm.sh built (its marker), with every override.
+    assert Path(sys.prefix, ".rllm_full_source").exists(), "run scripts/install_rllm.sh (CI does)"
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--report", report, "-e", REPO]
+    again = _run(command, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+    assert not _pip_warned(again.stdout + again.stderr), again.stdout + again.stderr
+    would_install = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert set(would_install) <= {"rllm-skyrl"}, would_install
