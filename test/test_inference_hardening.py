@@ -406,14 +406,11 @@ def test_health_answers_while_a_heavy_chat_is_templated(roomy):
 
     heavy, duration, latencies = asyncio.run(run())
     assert heavy.status_code == 400 and "maximum context length" in error_of(heavy), heavy.text
-    latencies.sort()
     # Behavioural, not a stopwatch: a blocked event loop answers no /health until the chat is
-    # done, so at most one or two answers could land inside it. The median latency bound is
-    # generous (200 ms) for a loaded 2-core machine; it fails when the loop is blocked for the
-    # whole templating (seconds here).
-    assert len(latencies) >= 5, f"only {len(latencies)} /health answers during a {duration:.2f} s chat"
-    median = latencies[len(latencies) // 2]
-    assert median < 0.2, f"/health took {median * 1000:.0f} ms (median) while a chat was templated"
+    # done, so at most one or two answers could land inside it, however fast the machine.
+    median = sorted(latencies)[len(latencies) // 2] if latencies else duration
+    said = f"{len(latencies)} /health answers (median {median * 1000:.0f} ms) during a {duration:.2f} s chat"
+    assert len(latencies) >= 5, f"only {said}"
 
 
 # ----------------------------------------------------------------------------------------- limits
