@@ -104,7 +104,6 @@ ENTRY_SAMPLE = [
         "data.train_files",
     }
 ]
-ENTRY_TABLES = [pytest.param(ENTRY_SAMPLE, id="sample"), pytest.param(BAD, id="all", marks=pytest.mark.slow)]
 
 # The same checks reached from rLLM's config: keys rLLM's base defines, our backend's, aliases.
 RUNNER = textwrap.dedent(
@@ -168,33 +167,71 @@ def test_plan_refuses_in_one_line(override, expected, capsys):
     _assert_one_line(capsys.readouterr().err, expected, stop.value.code)
 
 
-@pytest.mark.parametrize("table", ENTRY_TABLES)
-def test_train_entry_refuses_in_one_line_before_ray(table, tmp_path):
+@pytest.fixture(scope="module")
+def entry_table(slow_selected) -> list[tuple[str, str]]:
+    """What each entry runs: the whole table when the slow tests run too (CI), the sample otherwise.
+    The sample is part of the table, so one start of each entry serves both tests."""
+    return BAD if slow_selected else ENTRY_SAMPLE
+
+
+@pytest.fixture(scope="module")
+def train_entry(entry_table, tmp_path_factory) -> dict[str, tuple[str, dict]]:
+    """The quickstart's entry, refusing each value of ``entry_table``: {override: (expected, result)}."""
+    tmp_path = tmp_path_factory.mktemp("train_entry")
     report = _run_entry(
         "examples.simple_math.train",
-        [override for override, _ in table],
+        [override for override, _ in entry_table],
         [f"hydra.run.dir={tmp_path}/run"],
         tmp_path,
     )
     assert not report["ray_started"]
-    for (override, expected), result in zip(table, report["results"], strict=True):
-        assert result["override"] == override
-        _assert_one_line(result["stderr"], expected, result["code"])
+    assert [r["override"] for r in report["results"]] == [override for override, _ in entry_table]
+    return {o: (e, r) for (o, e), r in zip(entry_table, report["results"], strict=True)}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("rllm") is None, reason="rLLM is not installed")
-@pytest.mark.parametrize("table", ENTRY_TABLES)
-def test_rllm_entry_refuses_in_one_line_before_ray(table, tmp_path):
-    # rLLM users name the model with tinker's model.name; a bad one is reported under model.path.
+@pytest.fixture(scope="module")
+def rllm_entry(entry_table, tmp_path_factory) -> dict[str, tuple[str, dict]]:
+    """rLLM's entry, refusing each value of ``entry_table``: {override: (expected, result)}.
+    rLLM users name the model with tinker's model.name; a bad one is reported under model.path."""
+    tmp_path = tmp_path_factory.mktemp("rllm_entry")
     report = _run_entry(
         "examples.simple_math.train_with_rllm",
-        [override.replace("model.path=", "model.name=") for override, _ in table],
+        [override.replace("model.path=", "model.name=") for override, _ in entry_table],
         ["rllm/backend=skyrl", "model.name=tiny", f"hydra.run.dir={tmp_path}/run"],
         tmp_path,
     )
     assert not report["ray_started"]
-    for (_, expected), result in zip(table, report["results"], strict=True):
+    return {o: (e, r) for (o, e), r in zip(entry_table, report["results"], strict=True)}
+
+
+def _assert_entry_refuses(entry: dict[str, tuple[str, dict]], table: list[tuple[str, str]]) -> None:
+    assert {override for override, _ in table} <= set(entry)
+    for override, _ in table:
+        expected, result = entry[override]
         _assert_one_line(result["stderr"], expected, result["code"])
+
+
+def test_train_entry_refuses_in_one_line_before_ray(train_entry):
+    _assert_entry_refuses(train_entry, ENTRY_SAMPLE)
+
+
+@pytest.mark.slow
+def test_train_entry_refuses_the_whole_table_in_one_line_before_ray(train_entry):
+    _assert_entry_refuses(train_entry, BAD)
+
+
+requires_rllm = pytest.mark.skipif(importlib.util.find_spec("rllm") is None, reason="rLLM is not installed")
+
+
+@requires_rllm
+def test_rllm_entry_refuses_in_one_line_before_ray(rllm_entry):
+    _assert_entry_refuses(rllm_entry, ENTRY_SAMPLE)
+
+
+@requires_rllm
+@pytest.mark.slow
+def test_rllm_entry_refuses_the_whole_table_in_one_line_before_ray(rllm_entry):
+    _assert_entry_refuses(rllm_entry, BAD)
 
 
 def test_train_sh_prints_one_line(tmp_path):
