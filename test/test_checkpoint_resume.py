@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -24,6 +25,7 @@ import pytest
 import torch
 from helpers import descendants, policy_checkpoint_tensors, reap, wait_until
 from training_runs import (
+    KILL_OVERRIDES,
     Run,
     assert_ok,
     launch,
@@ -436,28 +438,30 @@ def test_a_killed_worker_fails_the_run_clearly_and_auto_resume_continues(tmp_pat
 
 
 @pytest.mark.slow
-def test_resume_path_and_disable_in_real_runs(tmp_path):
-    base = ["rllm.trainer.test_freq=0", "rllm.trainer.val_before_train=false", "rllm.trainer.save_freq=1"]
+def test_resume_path_and_disable_in_real_runs(tmp_path, digits_runs):
+    """Starts from a copy of the shared killed/resumed run's checkpoints (steps 1-4, saved every step):
+    ``resume_path`` branches from step 1 and redoes steps 2-4 to the same weights; ``disable`` then
+    starts over at step 1 in the same directory."""
     first = Run(tmp_path / "run", tmp_path / "a.out", tmp_path / "a.jsonl")
-    env = train_env(first.run_dir)
-    wait(first, launch(first, [*base, "rllm.trainer.total_batches=3"], env), time.monotonic())
-    assert_ok(first)
     ckpt = first.run_dir / "checkpoints"
-    before = policy_checkpoint_tensors(ckpt / "global_step_3")
+    shutil.copytree(digits_runs.resumed.run_dir / "checkpoints", ckpt)
+    assert (ckpt / LATEST).read_text() == "global_step_4"
+    env = train_env(first.run_dir)
+    before = policy_checkpoint_tensors(ckpt / "global_step_4")
 
     branch = Run(first.run_dir, tmp_path / "b.out", tmp_path / "b.jsonl")
-    overrides = [*base, "rllm.trainer.total_batches=3", "training.resume_mode=resume_path"]
+    overrides = [*KILL_OVERRIDES, "rllm.trainer.total_batches=4", "training.resume_mode=resume_path"]
     overrides.append(f"training.resume_from_path={ckpt / 'global_step_1'}")
     wait(branch, launch(branch, overrides, env), time.monotonic())
     assert_ok(branch)
     assert "global_step_1 (step 1)" in branch.text
-    assert sorted(train_task_ids_by_step(branch.rollouts())) == [2, 3]  # steps 2 and 3 again
-    after = policy_checkpoint_tensors(ckpt / "global_step_3")  # re-saved in place
+    assert sorted(train_task_ids_by_step(branch.rollouts())) == [2, 3, 4]  # steps 2 to 4 again
+    after = policy_checkpoint_tensors(ckpt / "global_step_4")  # re-saved in place
     assert max((before[k] - after[k]).abs().max().item() for k in before) < 1e-6
-    assert (ckpt / LATEST).read_text() == "global_step_3" and not list(ckpt.glob(".old_*"))
+    assert (ckpt / LATEST).read_text() == "global_step_4" and not list(ckpt.glob(".old_*"))
 
     fresh = Run(first.run_dir, tmp_path / "c.out", tmp_path / "c.jsonl")
-    overrides = [*base, "rllm.trainer.total_batches=1", "training.resume_mode=disable"]
+    overrides = [*KILL_OVERRIDES, "rllm.trainer.total_batches=1", "training.resume_mode=disable"]
     wait(fresh, launch(fresh, overrides, env), time.monotonic())
     assert_ok(fresh)
     assert "resume_mode=disable: starting from step 1" in fresh.text

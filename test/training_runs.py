@@ -148,29 +148,35 @@ def kill_during_save(
     )
 
 
+COMMON_OVERRIDES = ["rllm.trainer.logger=[console]", *SECRET_OVERRIDES]
+# The killed/resumed pair checkpoints every step and never validates; sampling is seeded per
+# request, so validation in the straight run must not change what training samples.
+KILL_OVERRIDES = [
+    *COMMON_OVERRIDES,
+    "rllm.trainer.save_freq=1",
+    "rllm.trainer.test_freq=0",
+    "rllm.trainer.val_before_train=false",
+]
+
+
 def shared_digits_runs(root: Path) -> SharedRuns:
-    common = ["rllm.trainer.logger=[console]", *SECRET_OVERRIDES]
     straight = Run(root / "straight", root / "straight.out", root / "straight_rollouts.jsonl")
     killed = Run(root / "killed", root / "killed.out", root / "killed_rollouts.jsonl")
     resumed = Run(root / "killed", root / "resumed.out", root / "resumed_rollouts.jsonl")
-    # The killed/resumed pair checkpoints every step and never validates; sampling is seeded per
-    # request, so validation in the straight run must not change what training samples.
-    kill_overrides = [*common, "rllm.trainer.save_freq=1", "rllm.trainer.test_freq=0"]
-    kill_overrides.append("rllm.trainer.val_before_train=false")
     verbose = {"RLLM_SKYRL_LOG_LEVEL": "INFO"}  # SkyRL logs forwarded env vars (values included) at INFO
 
     started = time.monotonic()
-    straight_process = launch(straight, common, train_env(straight.run_dir))
+    straight_process = launch(straight, COMMON_OVERRIDES, train_env(straight.run_dir))
     marker = root / "killed.held_save"
     hold = {"HOLD_SAVE_AT_STEP": "3", "HOLD_SAVE_MARKER": str(marker)}
-    killed_process = launch(killed, kill_overrides, train_env(killed.run_dir, **verbose, **hold))
+    killed_process = launch(killed, KILL_OVERRIDES, train_env(killed.run_dir, **verbose, **hold))
     try:
         kill = kill_during_save(killed, killed_process, marker)
     finally:
         if killed_process.poll() is None:
             os.killpg(killed_process.pid, signal.SIGKILL)
     resumed_started = time.monotonic()
-    resumed_process = launch(resumed, kill_overrides, train_env(resumed.run_dir, **verbose))
+    resumed_process = launch(resumed, KILL_OVERRIDES, train_env(resumed.run_dir, **verbose))
     wait(straight, straight_process, started)
     wait(resumed, resumed_process, resumed_started)
     return SharedRuns(straight=straight, killed=killed, resumed=resumed, kill=kill)
