@@ -183,7 +183,7 @@ def malformed_requests(rng: random.Random, prompt: list[int], vocab: int, count:
                 {"prompt": [1, "a"]},
                 {"prompt": [[]]},
                 {"prompt": "hi", "n": 0},
-                {"prompt": "hi", "echo": True},
+                {"prompt": "hi", "echo": True, "max_tokens": -1},
                 {"prompt": "hi", "logprobs": 99},
                 {"prompt": [vocab]},
             ]

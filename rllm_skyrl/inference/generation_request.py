@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rllm_skyrl.inference.prompt_logprobs import PromptLogprobs
 from rllm_skyrl.inference.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: str  # "stop" | "length" | "abort"
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | None = None  # when the params asked for them
 
 
 Callback = Callable[[GenerationResult | BaseException], None]
@@ -48,6 +50,7 @@ class GenerationRequest:
         self.token_ids: list[int] = []
         self.logprobs: list[float] | None = [] if params.logprobs is not None else None
         self.top: list[list[tuple[int, float]]] | None = [] if params.logprobs else None
+        self.prompt_logprobs: PromptLogprobs | None = None  # set at prefill when asked for
         self.stop_window = max((len(s) for s in params.stop), default=0) + 2
         self.done = False
         self.cancelled = False
@@ -81,7 +84,15 @@ class GenerationRequest:
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self._deliver(
-            GenerationResult(self.prompt_ids, self.token_ids, self.logprobs, self.top, reason, stop_reason)
+            GenerationResult(
+                self.prompt_ids,
+                self.token_ids,
+                self.logprobs,
+                self.top,
+                reason,
+                stop_reason,
+                self.prompt_logprobs,
+            )
         )
 
     def fail(self, exc: BaseException) -> None:

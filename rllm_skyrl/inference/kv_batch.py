@@ -4,7 +4,8 @@ Rows are left-padded (``[pad | prompt | generated]``), so every row's newest tok
 column and one forward pass advances all of them. A prefill runs only the distinct prompts of the
 rows it admits and copies each prompt's KV cache to the rows sampling from it; new rows join by a
 merge that left-pads the narrower cache, finished rows leave by a select that also drops the left
-columns only padding is left in. Which requests run is the scheduler's business.
+columns only padding is left in. A prefill keeps every position's logits only when a row asks for
+its prompt's logprobs (``echo``). Which requests run is the scheduler's business.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from rllm_skyrl.inference.generation_request import GenerationRequest
+from rllm_skyrl.inference.prompt_logprobs import PromptLogprobs, score_prompt
 from rllm_skyrl.inference.sampling import BatchSampler, SampleResult
 
 
@@ -62,15 +64,24 @@ class RunningBatch:
             mask[i, width - len(prompt) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = DynamicCache()
+        scored = [i for i, r in enumerate(rows) if r.params.prompt_logprobs is not None]
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if scored else 1,  # every position only when a row scores its prompt
         )
         logits = out.logits[:, -1, :]
+        scores: dict[tuple[int, int], PromptLogprobs] = {}  # the samples of one prompt share its score
+        for i in scored:
+            row, key = rows[i], (source[i], rows[i].params.prompt_logprobs)
+            if key not in scores:
+                scores[key] = score_prompt(
+                    out.logits[source[i], width - len(row.prompt_ids) :], row.prompt_ids, key[1]
+                )
+            row.prompt_logprobs = scores[key]
         if len(distinct) < len(rows):
             index = torch.tensor(source)
             cache = DynamicCache([(k[index], v[index]) for k, v, *_ in cache])

@@ -46,12 +46,13 @@ _SAMPLING_KEYS = (
 )
 
 
-def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
+def _sampling_params(body: dict[str, Any], logprobs: int | None, fewest: int = 1) -> SamplingParams:
+    """``fewest`` is the least ``max_tokens`` allowed: 0 for an echo, which may generate nothing."""
     if flag(body, "stream"):
         raise ApiError(400, "stream=true is not supported by the CPU inference server; send stream=false")
     raw = {k: body[k] for k in _SAMPLING_KEYS if body.get(k) is not None}
     for key in ("max_completion_tokens", "max_tokens"):
-        checks.optional_integer(key, body.get(key), 1, INT32_MAX)
+        checks.optional_integer(key, body.get(key), fewest, INT32_MAX)
     limit = body.get("max_completion_tokens")
     raw["max_tokens"] = limit if limit is not None else body.get("max_tokens")
     raw["logprobs"] = logprobs
@@ -156,10 +157,23 @@ def _chat_entry(service: InferenceService, token: int, logprob: float) -> dict[s
 
 async def _prompts(service: InferenceService, prompt: Any) -> list[list[int]]:
     """A completion ``prompt``: a string, a token list, or a non-empty list of either (flat)."""
+    return [ids for ids, _ in await _prompt_items(service, prompt, with_text=False)]
+
+
+async def _prompt_items(
+    service: InferenceService, prompt: Any, with_text: bool
+) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids and, ``with_text``, its text: a token prompt's decoded, as vLLM echoes it."""
     items = [prompt] if isinstance(prompt, str) or (isinstance(prompt, list) and _is_ids(prompt)) else prompt
     if not isinstance(items, list) or not items or not all(isinstance(p, str) or _is_ids(p) for p in items):
         raise ApiError(400, "prompt must be a string, a list of token ids, or a non-empty list of those")
-    return [await service.encode(p) if isinstance(p, str) else p for p in items]
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            out.append((await service.encode(p), p))
+        else:
+            out.append((p, await service.decode(p) if with_text else ""))
+    return out
 
 
 def _is_ids(value: Any) -> bool:
@@ -167,26 +181,44 @@ def _is_ids(value: Any) -> bool:
 
 
 async def completion(service: InferenceService, body: dict[str, Any]) -> dict[str, Any]:
-    if body.get("echo") or body.get("suffix"):
-        raise ApiError(400, "echo and suffix are not supported by the CPU inference server")
+    """With ``echo`` (as vLLM's server): the text and logprobs start with the prompt's, the first
+    prompt token's logprob None; ``max_tokens=0`` echoes the prompt alone (vLLM generates one token
+    and drops it, ``finish_reason="length"``; so does this)."""
+    if body.get("suffix"):
+        raise ApiError(400, "suffix is not supported by the CPU inference server; drop the field")
     adapter = service.resolve_model(checks.optional_string("model", body.get("model")))
-    params = _sampling_params(body, body.get("logprobs"))
+    echo = flag(body, "echo")
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    echo_only = echo and checks.is_int(limit) and limit == 0
+    capped = {**body, "max_tokens": 1, "max_completion_tokens": None} if echo_only else body
+    params = _sampling_params(capped, body.get("logprobs"), 0 if echo else 1)
+    if echo and params.logprobs is not None:
+        params = replace(params, prompt_logprobs=params.logprobs)
     n = num_choices(body)
     return_token_ids = flag(body, "return_token_ids")
-    prompts = await _prompts(service, body.get("prompt"))
-    results = await service.generate_many([job for p in prompts for job in n_jobs(p, params, n)], adapter)
+    prompts = await _prompt_items(service, body.get("prompt"), with_text=echo)
+    jobs = [job for ids, _ in prompts for job in n_jobs(ids, params, n)]
+    results = await service.generate_many(jobs, adapter)
+    if echo_only:  # the one token generated to score the prompt is not part of the answer
+        results = [
+            replace(r, token_ids=[], logprobs=None if r.logprobs is None else [], top_logprobs=None)
+            for r in results
+        ]
     choices = []
     for index, result in enumerate(results):  # prompt by prompt, n choices each
+        prompt_ids, prompt_text = prompts[index // n]
+        text = service.output_text(result, params)
         choice: dict[str, Any] = {
             "index": index,
-            "text": service.output_text(result, params),
+            "text": prompt_text + text if echo else text,
             "finish_reason": result.finish_reason,
             "stop_reason": result.stop_reason,
-            "logprobs": _completion_logprobs(service, result),
+            "logprobs": _completion_logprobs(service, result, prompt_ids if echo else None),
         }
         if return_token_ids:
             choice["token_ids"] = result.token_ids
-            choice["prompt_token_ids"] = prompts[index // n]
+            choice["prompt_token_ids"] = prompt_ids
         choices.append(choice)
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -194,20 +226,33 @@ async def completion(service: InferenceService, body: dict[str, Any]) -> dict[st
         "created": int(time.time()),
         "model": body.get("model") or service.served_model_name,
         "choices": choices,
-        "usage": _usage(sum(len(p) for p in prompts) * n, results),
+        "usage": _usage(sum(len(ids) for ids, _ in prompts) * n, results),
     }
 
 
-def _completion_logprobs(service: InferenceService, result: GenerationResult) -> dict[str, Any] | None:
+def _completion_logprobs(
+    service: InferenceService, result: GenerationResult, echoed: list[int] | None
+) -> dict[str, Any] | None:
+    """vLLM's completion ``logprobs``; with ``echoed`` (the prompt's ids), the prompt's tokens first."""
     if result.logprobs is None:
         return None
-    pieces = [service.tokenizer.decode([t]) for t in result.token_ids]
+    token_ids, logprobs, tops = result.token_ids, list(result.logprobs), result.top_logprobs
+    if echoed is not None:
+        scored = result.prompt_logprobs
+        if scored is None:  # aborted (a pause) before its prefill
+            raise ApiError(
+                503, f"the request ended ({result.finish_reason}) before its prompt was scored; retry"
+            )
+        token_ids = [*echoed, *token_ids]
+        logprobs = [*scored.logprobs, *logprobs]
+        tops = None if scored.top is None else [*scored.top, *(tops or [])]
+    pieces = [service.tokenizer.decode([t]) for t in token_ids]
     return {
         "tokens": pieces,
-        "token_logprobs": result.logprobs,
+        "token_logprobs": logprobs,
         "top_logprobs": (
-            [{service.tokenizer.decode([t]): v for t, v in top} for top in result.top_logprobs]
-            if result.top_logprobs is not None
+            [None if top is None else {service.tokenizer.decode([t]): v for t, v in top} for top in tops]
+            if tops is not None
             else None
         ),
         "text_offset": list(accumulate((len(p) for p in pieces), initial=0))[:-1],  # where each piece starts

@@ -98,6 +98,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token plus top-k alternatives
+    # Each prompt token's logprob (plus top-k alternatives), as vLLM's ``prompt_logprobs``. Only the
+    # completions route sets it (for ``echo``); the key in a ``sampling_params`` dict stays ignored.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -195,11 +198,11 @@ class BatchSampler:
             tokens = self._draw(draw_from)
             if self.any_greedy:
                 tokens = torch.where(self.greedy, draw_from.argmax(dim=-1), tokens)
-        chosen = _reportable(logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        chosen = reportable(logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1))
         top = None
         if self.max_top > 0:
             values, indices = logprobs.topk(self.max_top, dim=-1)
-            rows = zip(indices.tolist(), _reportable(values).tolist(), self.params, strict=True)
+            rows = zip(indices.tolist(), reportable(values).tolist(), self.params, strict=True)
             top = [list(zip(i, v, strict=True))[: p.logprobs or 0] for i, v, p in rows]
         return SampleResult(tokens.tolist(), chosen.tolist(), top)
 
@@ -242,6 +245,6 @@ class BatchSampler:
         return torch.empty_like(logprobs).scatter_(1, order, sorted_lp)
 
 
-def _reportable(logprobs: torch.Tensor) -> torch.Tensor:
+def reportable(logprobs: torch.Tensor) -> torch.Tensor:
     """Logprobs as they go out: finite, floored at ``LOGPROB_FLOOR`` (JSON has no -inf or NaN)."""
     return torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
