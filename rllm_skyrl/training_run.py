@@ -57,6 +57,15 @@ def train(
             local_ray.stop(local)
 
 
+def _check_teacher(config: DictConfig, workflow_args: dict[str, Any]) -> None:
+    """A distillation teacher against the student's tokenizer, before anything starts."""
+    from rllm_skyrl.rollout.teacher import check_teacher
+    from rllm_skyrl.run_config import resolve_run_config
+    from rllm_skyrl.runtime import load_tokenizer
+
+    check_teacher(workflow_args, load_tokenizer(resolve_run_config(config).model_path))
+
+
 def _plain(config: DictConfig) -> Any:
     """The config as plain values for finding its secrets: resolved where it resolves."""
     try:
@@ -92,6 +101,8 @@ def _train(
     compat.apply(["quiet_logs"])
     with one_line_errors():
         config = with_aliases(config)  # the trainer reads rllm.* keys that an alias may set
+        if (workflow_args or {}).get("teacher_engine") is not None:
+            _check_teacher(config, workflow_args)
     run_dir = Path(OmegaConf.select(config, "rllm.trainer.run_dir", default="logs/rllm-skyrl"))
     loggers = OmegaConf.select(config, "rllm.trainer.logger", default=["console"])
     on_console = "console" in ([loggers] if isinstance(loggers, str) else list(loggers))

@@ -220,7 +220,9 @@ def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = No
     rewards = reward_metrics(groups)
     if run.uses_critic:
         return BatchAdvantages(None, False, rewards)
-    if run.use_precomputed_advantage or run.async_training:
+    if run.use_precomputed_advantage:
+        return BatchAdvantages(None, True, {**distill_metrics(groups), **rewards})
+    if run.async_training:
         return BatchAdvantages(None, True, rewards)
     if rllm_api.is_rllm_algorithm_config(algorithm_config):
         return BatchAdvantages(None, True, {**rllm_api.rllm_advantages(groups, algorithm_config), **rewards})
@@ -229,6 +231,25 @@ def batch_advantages(groups: Sequence[Any], run: Any, algorithm_config: Any = No
     )
     by_group = [a.tolist() for a in outcome.advantages_by_group]
     return BatchAdvantages(by_group, False, {**outcome.metrics, **rewards})
+
+
+def distill_metrics(groups: Sequence[Any]) -> dict[str, float]:
+    """``distill/reverse_kl``: the sampled estimate of KL(student || teacher), the mean over response
+    tokens of ``student_lp - teacher_lp``. rLLM's distillation workflows set each token's precomputed
+    advantage to ``teacher_lp - student_lp`` (clipped to their ``clip_min``/``clip_max`` when set:
+    the estimate is then of the clipped terms), so it is minus the mean of the per-token advantages;
+    steps with one scalar advantage (not a distillation's) are left out."""
+    per_token = [
+        np.asarray(step.advantage, dtype=np.float64)
+        for group in groups
+        for trajectory in group.trajectories
+        for step in trajectory.steps or []
+        if isinstance(step.advantage, list | tuple | np.ndarray | torch.Tensor)
+    ]
+    tokens = np.concatenate(per_token) if per_token else np.zeros(0)
+    if not tokens.size:
+        return {}
+    return {"distill/reverse_kl": float(-tokens.mean()), "distill/tokens": float(tokens.size)}
 
 
 def reward_metrics(groups: Sequence[Any]) -> dict[str, float]:
