@@ -58,12 +58,16 @@ def train(
 
 
 def _check_teacher(config: DictConfig, workflow_args: dict[str, Any]) -> None:
-    """A distillation teacher against the student's tokenizer, before anything starts."""
+    """A distillation teacher against the student's tokenizer, before anything starts; rLLM's
+    distillation workflow fixed (``compat.rllm_distill_rewards``)."""
     from rllm_skyrl.rollout.teacher import check_teacher
     from rllm_skyrl.run_config import resolve_run_config
     from rllm_skyrl.runtime import load_tokenizer
 
     check_teacher(workflow_args, load_tokenizer(resolve_run_config(config).model_path))
+    from rllm_skyrl import compat
+
+    compat.apply(["rllm_distill_rewards"])  # a teacher's workflow is rLLM's: rLLM is installed
 
 
 def _plain(config: DictConfig) -> Any:

@@ -289,6 +289,17 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         when=_cpu,
         each_call=True,
     ),
+    PatchSet(
+        "rllm_distill_rewards",
+        BUG,
+        "runs with a distillation teacher (workflow_args.teacher_engine)",
+        "rLLM's DistillationWorkflow returns its episodes without trajectory rewards, but those cut "
+        "at max_response_length get them: a group holding both fails rLLM's transform at step 1",
+        "distillation trains (examples/distill) instead of failing its first step",
+        "rLLM: DistillationWorkflow.run returns self.postprocess_episode(...) as other workflows do",
+        {"rllm": (RLLM,)},
+        in_workers=False,
+    ),
 )
 BY_NAME = {patch_set.name: patch_set for patch_set in PATCH_SETS}
 # Without these nothing runs here, the result is wrong, or secrets reach the console.
