@@ -96,3 +96,17 @@ def test_solver_judge_trains_both_roles(tmp_path):
     # 8 tasks x 16 rollouts: 2 solver trajectories and 1 judge trajectory each, all trained.
     assert last["groups/num_groups"] == 16
     assert last["batch/num_rows"] == 8 * 16 * 3
+
+
+def test_distill_script_serves_a_teacher_and_distils(tmp_path, monkeypatch):
+    """One command: the teacher trained, served by the CPU server, scored through rLLM's OpenAIEngine."""
+    monkeypatch.setenv("TEACHER_DIR", str(tmp_path / "teacher"))
+    records, console = run_example(
+        ["bash", "examples/distill/train.sh", "rllm.trainer.total_batches=2", "training.group_size=2"],
+        tmp_path / "run",
+    )
+    assert "greedy accuracy 1.00" in console  # the teacher learnt the digit task
+    train = [r for r in records if "progress/batch" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    # Every response token scored by the teacher: 16 tasks x 2 samples x at most 2 tokens.
+    assert all(16 * 2 <= r["distill/tokens"] <= 16 * 2 * 2 and r["distill/reverse_kl"] > 0 for r in train)

@@ -292,13 +292,14 @@ PATCH_SETS: tuple[PatchSet, ...] = (
     PatchSet(
         "rllm_distill_rewards",
         BUG,
-        "runs with a distillation teacher (workflow_args.teacher_engine)",
+        "rLLM's DistillationWorkflow episodes get their trajectory rewards however they end",
+        "every run's driver with a distillation teacher (workflow_args.teacher_engine), before the "
+        "trainer is built (training_run.train)",
         "rLLM's DistillationWorkflow returns its episodes without trajectory rewards, but those cut "
         "at max_response_length get them: a group holding both fails rLLM's transform at step 1",
         "distillation trains (examples/distill) instead of failing its first step",
         "rLLM: DistillationWorkflow.run returns self.postprocess_episode(...) as other workflows do",
         {"rllm": (RLLM,)},
-        in_workers=False,
     ),
 )
 BY_NAME = {patch_set.name: patch_set for patch_set in PATCH_SETS}
