@@ -104,6 +104,7 @@ def test_distill_script_serves_a_teacher_and_distils(tmp_path, monkeypatch):
     records, console = run_example(
         ["bash", "examples/distill/train.sh", "rllm.trainer.total_batches=2", "training.group_size=2"],
         tmp_path / "run",
+        timeout=900,  # the teacher's training and server come first
     )
     assert "greedy accuracy 1.00" in console  # the teacher learnt the digit task
     train = [r for r in records if "progress/batch" in r]
