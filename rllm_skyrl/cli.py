@@ -69,8 +69,13 @@ def patch_sets_summary(platform: Platform, where: str) -> str:
         off = " [turned off: RLLM_SKYRL_COMPAT_DISABLE]" if patch_set.name in disabled else ""
         return f"  {patch_set.name} ({patch_set.purpose}): {patch_set.summary}{off}"
 
-    training = [p for p in sets if p.purpose not in (compat.PROCESS, compat.INTEGRATION)]
-    driver = [p for p in sets if p.purpose in (compat.PROCESS, compat.INTEGRATION)]
+    def on_the_driver(p: compat.PatchSet) -> bool:  # an rLLM bug fix acts on rLLM's driver code too
+        return p.purpose in (compat.PROCESS, compat.INTEGRATION) or (
+            p.purpose == compat.BUG and set(p.verified) == {"rllm"}
+        )
+
+    training = [p for p in sets if not on_the_driver(p)]
+    driver = [p for p in sets if on_the_driver(p)]
     kind = "CUDA" if platform.cuda else "CPU"
     training_title = (
         "SkyRL's training code: its stock code but for these bug fixes"
@@ -83,8 +88,8 @@ def patch_sets_summary(platform: Platform, where: str) -> str:
             f"{training_title}:",
             *map(line, training),
             "the driver process and rLLM's entry points (every platform: its output, logs and "
-            "signals, and rLLM's AgentTrainer for backend='skyrl' and Tracking; SkyRL's training "
-            "code untouched):",
+            "signals, rLLM's AgentTrainer for backend='skyrl', its Tracking and gateway, and rLLM bug "
+            "fixes; SkyRL's training code untouched):",
             *map(line, driver),
         ]
     )

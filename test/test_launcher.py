@@ -65,6 +65,7 @@ def test_plan_lists_the_patch_sets_of_the_gpu_cluster_and_of_this_cpu_machine():
         "rllm_agent_trainer",
         "rllm_gateway",
         "rllm_tracking",
+        "rllm_distill_rewards",
     ]
     assert [line.split(" ")[0] for line in driver] == driver_sets
     assert "SkyRL's training code untouched" in text and "backend='skyrl'" in text
@@ -100,11 +101,14 @@ def test_rllm_skyrl_plan_from_the_command_line():
 
 
 def test_cli_refuses_a_missing_or_unknown_command(capsys):
-    for argv in ([], ["train"]):
+    for argv in ([], ["serve"], ["train"]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
-    assert "invalid choice: 'train'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the following arguments are required: command" in err
+    assert "invalid choice: 'serve'" in err
+    assert "rllm-skyrl train: error: the following arguments are required: --agent, --evaluator" in err
 
 
 TWO_NODE_APP = Path(__file__).resolve().parent / "apps" / "two_node_step.py"
