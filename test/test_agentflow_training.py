@@ -2,7 +2,10 @@
 
 ``learning_run`` (slow, one per module): the digit task as ``examples/simple_math/flow.py`` through
 ``AgentTrainer(backend="skyrl", agent_flow=..., evaluator=...)`` with the workflow test's settings
-(``test_rllm_conformance.test_on_policy_learns_the_digit_task``); several checks read it. The
+(``test_rllm_conformance.test_on_policy_learns_the_digit_task``); several checks read it. The whole
+curve (170 steps, ~87,000 rollouts through the gateway) is marked ``long``: 30-40 minutes on 2 cores
+(bench/README.md: 'An AgentFlow step through rLLM's model gateway'); otherwise the run is
+``SHORT_STEPS`` steps, enough for the token, logprob and sync checks. The
 fully-async run trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
 """
 
@@ -37,14 +40,22 @@ LEARNING = [
 GAP = "train/logprob_abs_diff/mean"  # trainer vs rollout logprobs, as for workflows
 
 
+LONG_STEPS, SHORT_STEPS = 170, 6
+
+
+def long_selected(request) -> bool:
+    return "not long" not in (request.config.getoption("markexpr") or "")
+
+
 @pytest.fixture(scope="module")
-def learning_run(tmp_path_factory):
+def learning_run(tmp_path_factory, request):
     from rllm.trainer import AgentTrainer
 
     from examples.simple_math.flow import digit_evaluator, digit_flow
 
     tmp_path = tmp_path_factory.mktemp("agentflow")
-    cfg = rllm_config(tmp_path, *LEARNING, "rllm.trainer.total_batches=170")
+    steps = LONG_STEPS if long_selected(request) else SHORT_STEPS
+    cfg = rllm_config(tmp_path, *LEARNING, f"rllm.trainer.total_batches={steps}")
     rllm_plugin.register()
     RecordingBackend.instances.clear()
     try:
@@ -63,6 +74,7 @@ def learning_run(tmp_path_factory):
     return backend, records
 
 
+@pytest.mark.long
 @pytest.mark.timeout(3600)
 def test_an_agent_flow_learns_the_digit_task_through_the_gateway(learning_run):
     _, records = learning_run
