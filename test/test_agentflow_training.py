@@ -31,7 +31,7 @@ LEARNING = [
     "rllm.trainer.test_freq=0",
     "rllm.trainer.val_before_train=false",
     "rllm.gateway.port=0",
-    "rllm.workflow.n_parallel_tasks=512",
+    "rllm.workflow.n_parallel_tasks=64",  # see examples/simple_math/train_agentflow.sh
     "inference.max_batch_size=512",
 ]
 GAP = "train/logprob_abs_diff/mean"  # trainer vs rollout logprobs, as for workflows
