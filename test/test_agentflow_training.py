@@ -4,6 +4,10 @@
 ``AgentTrainer(backend="skyrl", agent_flow=..., evaluator=...)`` with the workflow test's settings
 (``test_rllm_conformance.test_on_policy_learns_the_digit_task``); several checks read it. The
 fully-async run trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
+
+Cost: a 512-flow step through the gateway is ~15 s on a 2-core machine at load ~4 (rLLM's
+per-rollout session, flush and trace calls; ``bench/README.md``), so ``learning_run``'s 170 steps
+take ~45 min there; the fully-async run ~2 min.
 """
 
 from __future__ import annotations
