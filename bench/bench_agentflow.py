@@ -40,6 +40,7 @@ def run_side(name: str, steps: int, tmp: Path, timeout: float) -> Side:
         "rllm.trainer.val_before_train=false",
         f"hydra.run.dir={run_dir}",
         f"rllm.trainer.run_dir={run_dir}",
+        f"training.default_local_dir={run_dir}/ckpt",  # not the example's: another run may hold that
     ]
     records = run_dir / "metrics.jsonl"
     side = follow(Side(name), command, records, cwd=ROOT, env=dict(os.environ), timeout=timeout)

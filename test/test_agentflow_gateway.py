@@ -2,10 +2,11 @@
 
 One server (a subprocess with the run's token, as a run starts it) and one gateway started by rLLM's
 ``GatewayManager`` with the ``rllm_gateway`` patch set, shared by the module. Checked: the gateway
-listens on loopback only and the server refuses a caller without the token; a multi-turn chat
-through a session becomes, through rLLM's own trace-to-step conversion and our trajectory checks,
-training rows equal token for token to what the server saw and sampled, logprobs included; the
-session params are the engine's; every published weight version stamps the traces after it.
+is a process of its own listening on loopback only, and the server refuses a caller without the
+token; a multi-turn chat through a session becomes, through rLLM's own trace-to-step conversion
+and our trajectory checks, training rows equal token for token to what the server saw and sampled,
+logprobs included; the session params are the engine's; every published weight version stamps the
+traces after it.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _routable_ip() -> str | None:
 def test_nothing_answers_from_outside_without_a_credential(served):
     manager, _, servers = served
     assert manager.host == "127.0.0.1" and manager.gateway_url.startswith("http://127.0.0.1:")
-    gateway = [address for address in _listeners(psutil.Process().pid) if address[1] == manager.port]
-    assert gateway == [("127.0.0.1", manager.port)]
+    assert manager._process is not None  # a process of its own, not a thread of the driver
+    assert _listeners(manager._process.pid) == [("127.0.0.1", manager.port)]
     ip = _routable_ip()
     if ip is not None:  # the gateway's port on this machine's own address: nobody listens
         with pytest.raises(httpx.ConnectError):

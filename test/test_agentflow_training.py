@@ -7,6 +7,10 @@ curve (170 steps, ~87,000 rollouts through the gateway) is marked ``long``: 30-4
 (bench/README.md: 'An AgentFlow step through rLLM's model gateway'); otherwise the run is
 ``SHORT_STEPS`` steps, enough for the token, logprob and sync checks. The
 fully-async run trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
+
+Cost: a 512-flow step through the gateway is ~15 s on a 2-core machine at load ~4 (rLLM's
+per-rollout session, flush and trace calls; ``bench/README.md``), so ``learning_run``'s 170 steps
+take ~45 min there; the fully-async run ~2 min.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ LEARNING = [
     "rllm.trainer.test_freq=0",
     "rllm.trainer.val_before_train=false",
     "rllm.gateway.port=0",
-    "rllm.workflow.n_parallel_tasks=512",
+    "rllm.workflow.n_parallel_tasks=64",  # see examples/simple_math/train_agentflow.sh
     "inference.max_batch_size=512",
 ]
 GAP = "train/logprob_abs_diff/mean"  # trainer vs rollout logprobs, as for workflows

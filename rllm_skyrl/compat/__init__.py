@@ -256,9 +256,11 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "its config (backend.SkyRLBackend); acts when an AgentFlow starts the gateway",
         "rLLM's model gateway finds the inference servers by the engine's class name (Tinker's, "
         "verl's) and registers none for SkyRL's engine; it also listens on every interface without a "
-        "credential. For an engine that lists its servers it listens on 127.0.0.1 and forwards to them "
-        "with the run's token",
-        "AgentFlow + Evaluator training on SkyRL; no gateway port reachable from another machine",
+        "credential. For an engine that lists its servers it runs in a process of its own (rLLM's "
+        "process mode, which rLLM's trainer picks for verl only), listens on 127.0.0.1 and forwards to "
+        "them with the run's token",
+        "AgentFlow + Evaluator training on SkyRL; no gateway port reachable from another machine; the "
+        "gateway's HTTP work off the driver's GIL",
         "rLLM: register the workers of any engine with a server_addresses attribute, and bind the "
         "gateway to rllm.gateway.host",
         {"rllm": (RLLM,)},

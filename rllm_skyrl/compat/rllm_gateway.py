@@ -4,7 +4,10 @@ rLLM's ``GatewayManager.start`` chooses how to reach the inference servers by th
 class name (Tinker's in-process handler, verl's server addresses) and registers no worker for any
 other engine; it also listens on every interface, without a credential. ``start`` is wrapped: for
 an engine that is neither of those two and lists its servers (``server_addresses``), the gateway
-runs in a thread listening on 127.0.0.1 only, and every server becomes a worker. A server's URL
+listens on 127.0.0.1 only, and every server becomes a worker. It runs in a process of its own
+(rLLM's ``process`` mode, which rLLM's trainer picks only for verl): in a thread of the driver, its
+HTTP work (four requests per rollout: session, chat, flush, traces) takes the GIL from the flows and
+rLLM's engine, and a step's rollouts are that CPU. A server's URL
 carries the run's token as user info, which the gateway's HTTP client sends as Basic auth in place
 of the flow's ``Authorization`` header. The model the gateway pins and the sampling params under
 every session come from the engine (``gateway_session_params``). Any other engine gets rLLM's own start.
@@ -14,7 +17,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -24,7 +30,8 @@ logger = logging.getLogger(__name__)
 MODULE = "rllm.gateway.manager"
 LOOPBACK = "127.0.0.1"
 RLLM_ENGINES = frozenset({"TinkerEngine", "VerlEngine"})  # the engines rLLM's start serves itself
-START_TIMEOUT = 30.0
+START_TIMEOUT = 60.0  # the process imports FastAPI and pydantic first: seconds on a busy machine
+SEPARATE_PROCESS = True  # False: a thread of the driver, as rLLM's thread mode (bench/gateway_breakdown.py)
 _ORIGINAL = "__rllm_skyrl_original__"
 _ENGINE = "_rllm_skyrl_engine"
 Params = dict[str, Any] | None
@@ -85,7 +92,10 @@ def start_for_engine(manager: Any, engine: Any) -> None:
         raise ValueError("rllm.gateway.tunnel is set: this gateway listens on 127.0.0.1 only; set it to null")
     manager.host = LOOPBACK
     manager.port = free_port() if not manager.port else manager.port
-    _serve(manager, model=engine.served_model)
+    if SEPARATE_PROCESS:
+        _spawn(manager, model=engine.served_model)
+    else:
+        _serve(manager, model=engine.served_model)
     for url in engine.server_addresses:
         worker_id = manager.client.add_worker(url=url)
         logger.info("gateway worker %s registered", worker_id)  # the URL holds the servers' token
@@ -99,6 +109,42 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         return probe.getsockname()[1]
+
+
+def _spawn(manager: Any, model: str | None) -> None:
+    """rLLM's gateway CLI in a child process bound to 127.0.0.1 that exits with the driver;
+    ``manager.stop()`` terminates it (rLLM's process mode keeps it in ``manager._process``)."""
+    command = [sys.executable, "-m", "rllm_skyrl.compat.rllm_gateway_process", str(os.getpid())]
+    command += ["--host", LOOPBACK, "--port", str(manager.port), "--store", manager.store]
+    command += ["--log-level", "warning"]
+    if model:
+        command += ["--model", model]
+    if manager.db_path:
+        command += ["--db-path", manager.db_path]
+    if manager.cumulative_token_mode:
+        command.append("--cumulative-token-mode")
+        if manager.renderer_family != "auto":
+            command += ["--renderer-family", manager.renderer_family]
+    manager._process = process = subprocess.Popen(command)
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        try:
+            manager.client.health()
+            break
+        except Exception as error:  # not listening yet
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"rLLM's model gateway exited (code {process.returncode}) before serving on "
+                    f"{LOOPBACK}:{manager.port}; see its output above, or set rllm.gateway.port=0 to take a "
+                    "free port"
+                ) from error
+            if time.monotonic() > deadline:
+                manager.stop()
+                raise TimeoutError(
+                    f"rLLM's model gateway did not serve within {START_TIMEOUT:.0f} s"
+                ) from error
+            time.sleep(0.2)
+    logger.info("rLLM's model gateway serves %s (process %d)", manager.gateway_url, process.pid)
 
 
 def _serve(manager: Any, model: str | None) -> None:

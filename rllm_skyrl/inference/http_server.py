@@ -16,6 +16,8 @@ from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.inference.routes import build_app
 from rllm_skyrl.inference.served_model import InferenceService
 
+KEEP_ALIVE_S = 30
+
 
 class PortInUseError(UserFacingError):
     """The port asked for is taken: the raw ``OSError`` names neither the port nor a way out."""
@@ -89,7 +91,10 @@ class InferenceServer:
             self.app,
             log_level=self.log_level,
             access_log=False,
-            timeout_keep_alive=5,  # SkyRL's client keeps idle connections 2 s; outlive that
+            # Outlive every client's idle connections: SkyRL's keeps them 2 s, httpx's pools (rLLM's
+            # model gateway) 5 s. At 5 s both ends dropped a connection idle through a weight sync at
+            # the same moment, and the gateway's next call on it failed (ReadError, a 500 to the flow).
+            timeout_keep_alive=KEEP_ALIVE_S,
             backlog=4096,
             timeout_graceful_shutdown=5,
         )
