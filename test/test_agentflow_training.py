@@ -3,14 +3,11 @@
 ``learning_run`` (slow, one per module): the digit task as ``examples/simple_math/flow.py`` through
 ``AgentTrainer(backend="skyrl", agent_flow=..., evaluator=...)`` with the workflow test's settings
 (``test_rllm_conformance.test_on_policy_learns_the_digit_task``); several checks read it. The whole
-curve (170 steps, ~87,000 rollouts through the gateway) is marked ``long``: 30-40 minutes on 2 cores
-(bench/README.md: 'An AgentFlow step through rLLM's model gateway'); otherwise the run is
-``SHORT_STEPS`` steps, enough for the token, logprob and sync checks. The
-fully-async run trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
-
-Cost: a 512-flow step through the gateway is ~15 s on a 2-core machine at load ~4 (rLLM's
-per-rollout session, flush and trace calls; ``bench/README.md``), so ``learning_run``'s 170 steps
-take ~45 min there; the fully-async run ~2 min.
+curve (170 steps, ~87,000 rollouts through the gateway) is marked ``long``: a 512-flow step costs
+~15 s on 2 cores at load ~4 (rLLM's per-rollout session, flush and trace calls; bench/README.md: 'An
+AgentFlow step through rLLM's model gateway'), ~45 min in all, past CI's budget. Otherwise the run
+is ``SHORT_STEPS`` steps, enough for the token, logprob-gap and sync checks. The fully-async run
+(~2 min) trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
 """
 
 from __future__ import annotations
