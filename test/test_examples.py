@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 # A module run as on a machine without rLLM: ``import rllm`` fails and ``find_spec("rllm")`` is None.
 WITHOUT_RLLM = """
@@ -98,6 +100,7 @@ def test_solver_judge_trains_both_roles(tmp_path):
     assert last["batch/num_rows"] == 8 * 16 * 3
 
 
+@pytest.mark.slow  # trains a teacher first (~100 steps), then serves it beside the student's run
 def test_distill_script_serves_a_teacher_and_distils(tmp_path, monkeypatch):
     """One command: the teacher trained, served by the CPU server, scored through rLLM's OpenAIEngine."""
     monkeypatch.setenv("TEACHER_DIR", str(tmp_path / "teacher"))
