@@ -264,6 +264,17 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         {"rllm": (RLLM,)},
     ),
     PatchSet(
+        "rllm_sft_trainer",
+        INTEGRATION,
+        "rllm_plugin.register() (rLLM installed)",
+        "rLLM's AgentSFTTrainer picks its backend with an if-chain in _make_backend and has no table "
+        "to add one to; the method is wrapped for backend='skyrl'",
+        "AgentSFTTrainer(spec, backend='skyrl') and rllm-skyrl sft train on SkyRL's own SFT trainer",
+        "rLLM: a backend table for AgentSFTTrainer",
+        {"rllm": (RLLM,)},
+        in_workers=False,
+    ),
+    PatchSet(
         "rllm_tracking",
         INTEGRATION,
         "metrics.jsonl and the progress bar added to rLLM's Tracking",
