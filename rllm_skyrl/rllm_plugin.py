@@ -109,6 +109,9 @@ def register() -> None:
     require("rllm", TRAINER_MODULE)
     compat.apply(["rllm_agent_trainer"], SkyRLTrainerLauncher)
     if compat.usable(["rllm_sft_trainer"]):  # installed again after unregister(), not once per process
+        from rllm_skyrl.sft.backend import SkyRLSFTBackend
+
+        rllm_sft_trainer.BACKENDS[SkyRLSFTBackend.name] = SkyRLSFTBackend
         rllm_sft_trainer.apply()
 
 

@@ -266,13 +266,14 @@ PATCH_SETS: tuple[PatchSet, ...] = (
     PatchSet(
         "rllm_sft_trainer",
         INTEGRATION,
-        "rllm_plugin.register() (rLLM installed)",
+        "rLLM's AgentSFTTrainer dispatches backend='skyrl' to SkyRL's SFT trainer",
+        "rllm_plugin.register() (rLLM installed), also for rllm-skyrl sft; changes "
+        "AgentSFTTrainer's backend choice for the names in its table (skyrl) only",
         "rLLM's AgentSFTTrainer picks its backend with an if-chain in _make_backend and has no table "
-        "to add one to; the method is wrapped for backend='skyrl'",
+        "to add one to; the method is wrapped to look names up in a table first (skyrl)",
         "AgentSFTTrainer(spec, backend='skyrl') and rllm-skyrl sft train on SkyRL's own SFT trainer",
         "rLLM: a backend table for AgentSFTTrainer",
         {"rllm": (RLLM,)},
-        in_workers=False,
     ),
     PatchSet(
         "rllm_tracking",

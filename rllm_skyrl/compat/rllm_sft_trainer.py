@@ -1,26 +1,26 @@
-"""rLLM's ``AgentSFTTrainer(spec, backend="skyrl")`` builds ``rllm_skyrl.sft.backend.SkyRLSFTBackend``.
+"""A backend table for rLLM's ``AgentSFTTrainer``: ``BACKENDS`` maps a name to an ``SFTBackend`` class.
 
 rLLM's SFT dispatcher picks its backend with an if-chain in ``AgentSFTTrainer._make_backend`` and
 answers "Unknown SFT backend" for any other name; there is no table to add one to. ``apply`` wraps
-that method in place (code that imported the class already sees the change) and adds ``skyrl`` to
-the names its error lists; every other backend name runs rLLM's method untouched.
+that method in place (code that imported the class already sees the change) so that a name in
+``BACKENDS`` builds its class from the spec, and lists the table's names among those its error
+names; every other name runs rLLM's method untouched. ``rllm_plugin.register`` fills in ``skyrl``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from typing import Any
 
-BACKEND_NAME = "skyrl"
 DISPATCHER_MODULE = "rllm.trainer.agent_sft_trainer"
+BACKENDS: dict[str, type] = {}
 _ORIGINAL = "__rllm_skyrl_original_make_backend__"
 
 
 def apply() -> None:
-    """Teach rLLM's ``AgentSFTTrainer`` the ``skyrl`` backend; safe to call twice."""
-    import importlib
-
+    """Route the names in ``BACKENDS`` to their classes; safe to call twice."""
     module = importlib.import_module(DISPATCHER_MODULE)
     trainer = module.AgentSFTTrainer
     original = trainer._make_backend
@@ -29,15 +29,14 @@ def apply() -> None:
 
     @functools.wraps(original)
     def _make_backend(self: Any) -> Any:
-        if self.backend_name != BACKEND_NAME:
+        backend_cls = BACKENDS.get(self.backend_name)
+        if backend_cls is None:
+            module._IMPLEMENTED.update(BACKENDS)  # so rLLM's error lists them
             return original(self)
-        from rllm_skyrl.sft.backend import SkyRLSFTBackend
-
-        return SkyRLSFTBackend(self.spec)
+        return backend_cls(self.spec)
 
     setattr(_make_backend, _ORIGINAL, original)
     trainer._make_backend = _make_backend
-    module._IMPLEMENTED.add(BACKEND_NAME)
 
 
 def remove() -> None:
@@ -48,4 +47,4 @@ def remove() -> None:
     original = getattr(module.AgentSFTTrainer._make_backend, _ORIGINAL, None)
     if original is not None:
         module.AgentSFTTrainer._make_backend = original
-        module._IMPLEMENTED.discard(BACKEND_NAME)
+        module._IMPLEMENTED.difference_update(BACKENDS)

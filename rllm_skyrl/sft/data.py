@@ -46,7 +46,8 @@ def conversation(row: Any, label: str) -> list[Message]:
     messages = _plain(row.get("messages")) if isinstance(row, Mapping) else None
     if not isinstance(messages, list) or not messages:
         raise SFTConfigError(
-            f"{label}: 'messages' must be a non-empty list of {{'role', 'content'}} turns, got {messages!r:.80}"
+            f"{label}: 'messages' must be a non-empty list of {{'role', 'content'}} turns, "
+            f"got {messages!r:.80}"
         )
     for index, message in enumerate(messages):
         if (
@@ -145,7 +146,8 @@ def write_pretokenized(
         kept.append({"input_ids": ids, "loss_mask": mask})
     if not kept:
         raise SFTConfigError(
-            f"{split} dataset: no row keeps an assistant token within max_length={max_length}; raise max_length"
+            f"{split} dataset: no row keeps an assistant token within max_length={max_length}; "
+            "raise max_length"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(kept).to_parquet(path, index=False)
