@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import ray
 from helpers import compose_example, run_dirs
 
 from examples.sft.task import answer, digit_reward, make_rows, messages_rows, question, split
 from examples.sft.train import train_sft
 from rllm_skyrl.run.metrics_file import read_metrics
+from rllm_skyrl.sft.placement import live_placement_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 CLI = Path(sys.executable).with_name("rllm-skyrl")
@@ -53,10 +55,21 @@ def correct(replies: list[tuple[str, str, str]]) -> int:
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
+    before = reserved()
     started = time.perf_counter()
     backend = train_sft(out)
     print(f"SFT, 100 steps: {time.perf_counter() - started:.0f} s")
+    # The workers' placement group and GPUs are given back to the shared Ray (asynchronously).
+    deadline = time.monotonic() + 120
+    while reserved() != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert reserved() == before
     return backend, read_metrics(out)
+
+
+def reserved() -> tuple[set[str], float]:
+    """The live placement groups and the GPUs Ray has not handed out."""
+    return set(live_placement_groups()), ray.available_resources().get("GPU", 0.0)
 
 
 def test_loss_falls_and_the_model_answers_held_out_questions(sft_run, tiny_model_dir):

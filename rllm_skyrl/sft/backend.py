@@ -102,6 +102,7 @@ class SkyRLSFTBackend(SFTBackend):
 
         from rllm_skyrl.ray_cluster import start_ray, stop_ray
         from rllm_skyrl.sft.metrics import RLLMMetrics, learning_rate_schedule
+        from rllm_skyrl.sft.placement import WorkerPlacementGroups
 
         if not self.config.get("pretokenized_dataset_paths"):
             self.prepare_data()
@@ -117,14 +118,16 @@ class SkyRLSFTBackend(SFTBackend):
             typed.ckpt_path, learning_rate_schedule(typed.optimizer_config, typed.num_steps)
         )
         trainer = SFTTrainer(typed, skyrl_cfg, callbacks=[metrics])
+        workers = WorkerPlacementGroups(typed.placement.num_nodes, typed.placement.num_gpus_per_node)
         try:
-            trainer.setup()
+            with workers.recording():
+                trainer.setup()
             trainer.train()
         finally:
             try:
-                _stop_workers(trainer)
                 trainer.shutdown()
             finally:
+                workers.remove()  # SkyRL's trainer leaves its workers to the Ray it ran on
                 if owns_ray:
                     stop_ray()
         if typed.model.lora.rank:
@@ -146,16 +149,3 @@ class SkyRLSFTBackend(SFTBackend):
         if not (self.export_dir / "adapter_config.json").exists():
             raise SFTConfigError(f"{self.export_dir}: SkyRL wrote no LoRA adapter there; see its log above")
         merge_adapter(self.export_dir, self.model_dir, base_model=self.config.model.path)
-
-
-def _stop_workers(trainer) -> None:
-    """SkyRL's trainer leaves its actors to the Ray that ends with the process; a run that joined a
-    longer-lived Ray kills them (and their placement group) itself."""
-    import ray
-
-    dispatch = getattr(trainer, "dispatch", None)
-    if dispatch is None or not ray.is_initialized():
-        return
-    for group in dispatch._actor_groups.values():
-        for actor in getattr(group, "_actor_handlers", []):
-            ray.kill(actor, no_restart=True)
