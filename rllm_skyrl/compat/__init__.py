@@ -200,8 +200,8 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "output_masking",
         PROCESS,
         "secrets masked in the console, logs and tracebacks",
-        "every run's driver, at its first line (training_run.train, rllm-skyrl plan, the SFT "
-        "example); again for each secret learned later",
+        "every run's driver, at its first line (training_run.train; rllm-skyrl plan, train and "
+        "sft); again for each secret learned later",
         "secrets from the environment and the config must not reach the console or logs; the "
         "process's stdout, stderr, excepthook, log handlers and loguru's records are wrapped",
         "secrets masked from the first line of output",
@@ -212,7 +212,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "quiet_logs",
         PROCESS,
         "SkyRL's, Ray's and httpx's console logs at WARNING, other loguru sinks kept",
-        "every run's driver, after output_masking (training_run.train, rllm-skyrl plan, the SFT example)",
+        "every run's driver, after output_masking (training_run.train; rllm-skyrl plan, train and sft)",
         "SkyRL logs its start-up notes and every HTTP request at INFO and DEBUG; the console keeps "
         "the run's progress, warnings and errors (RLLM_SKYRL_LOG_LEVEL=INFO brings them back); "
         "loguru's default stderr sink is replaced, every other sink left as it is",
