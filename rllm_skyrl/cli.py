@@ -1,4 +1,4 @@
-"""``rllm-skyrl``: the command line (``plan`` for clusters)."""
+"""``rllm-skyrl``: the command line (``plan`` for clusters; ``train``, ``sft``: rLLM's commands on SkyRL)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rllm_skyrl import compat
 from rllm_skyrl.hardware import Platform
 from rllm_skyrl.run.exits import one_line_errors
 
-__all__ = ["main", "patch_sets_summary", "plan", "placement_summary"]
+__all__ = ["main", "patch_sets_summary", "plan", "placement_summary", "sft_command"]
 
 
 def plan(
@@ -140,14 +140,49 @@ def placement_summary(run) -> str:
     return "\n".join(lines)
 
 
+def sft_command():
+    """rLLM's ``rllm sft`` command with ``skyrl`` among its ``--backend`` choices, and its default.
+
+    rLLM's flags are a ``click.Choice`` that only its own backends pass; the command here is built
+    from rLLM's (same options, same function behind them) with that one choice widened, so every
+    flag means what it means to ``rllm sft``. ``--gpus`` is verl's; SkyRL uses every visible GPU.
+    """
+    import click
+
+    from rllm_skyrl.optional_deps import require
+    from rllm_skyrl.rllm_plugin import register
+
+    rllm_sft = require("rllm", "rllm.cli.sft").sft_cmd
+    register()
+    params = []
+    for param in rllm_sft.params:
+        if param.name == "backend":
+            param = click.Option(
+                param.opts,
+                default="skyrl",
+                type=click.Choice([*param.type.choices, "skyrl"]),
+                help="SFT backend (default: skyrl).",
+            )
+        params.append(param)
+    return click.Command("sft", params=params, callback=rllm_sft.callback, help=rllm_sft.help)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``, or
-    ``rllm-skyrl train BENCHMARK --agent A --evaluator E [rllm train's flags]``."""
+    """``rllm-skyrl plan [--config-dir DIR] [--config-name NAME] [overrides...]``,
+    ``rllm-skyrl train BENCHMARK --agent A --evaluator E [rllm train's flags]``, or
+    ``rllm-skyrl sft [DATASET] [rllm sft's options]``."""
     import argparse
     import sys
 
     from rllm_skyrl import train_command
+    from rllm_skyrl.compat.output_masking import mask_process_output
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sft"]:  # rLLM's click command parses its own flags
+        mask_process_output()
+        compat.apply(["quiet_logs"])
+        sft_command().main(args=argv[1:], prog_name="rllm-skyrl sft")
+        return
     parser = argparse.ArgumentParser(prog="rllm-skyrl")
     commands = parser.add_subparsers(dest="command", required=True)
     plan_parser = commands.add_parser(
@@ -157,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     plan_parser.add_argument("--config-name", default="unified")
     plan_parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.path=Qwen/Qwen3-8B")
     commands.add_parser("train", help=train_command.SUMMARY, add_help=False)  # listed; parsed below
-    argv = sys.argv[1:] if argv is None else argv
+    commands.add_parser(
+        "sft", help="supervised fine-tuning on SkyRL (rllm sft's options; see rllm-skyrl sft --help)"
+    )
     if argv[:1] == ["train"]:
         with one_line_errors(always=True):
             train_command.refuse_unsupported(argv[1:])
@@ -165,8 +202,6 @@ def main(argv: list[str] | None = None) -> None:
         args.command = "train"
     else:
         args = parser.parse_args(argv)
-    from rllm_skyrl.compat.output_masking import mask_process_output
-
     mask_process_output()
     compat.apply(["quiet_logs"])  # as in a run: SkyRL's import-time notes (its vLLM patches skipped) stay off
     if args.command == "train":

@@ -6,7 +6,9 @@ Three ways in, each training a ``workflow_class`` or an ``agent_flow`` with an `
 ``SkyRLTrainerLauncher(cfg, workflow_class=...).train()``, what rLLM's per-backend launchers do,
 through the run every entry point gets (``training_run.train``); or ``register()``, then rLLM's
 ``AgentTrainer(..., backend="skyrl")`` (the ``rllm_agent_trainer`` patch set: rLLM has no table of
-backends to add one to). The config side needs no call: the Hydra plug-in in
+backends to add one to). ``register()`` also gives rLLM's SFT dispatcher the backend:
+``AgentSFTTrainer(spec, backend="skyrl")`` (the ``rllm_sft_trainer`` patch set). The config side
+needs no call: the Hydra plug-in in
 ``hydra_plugins/rllm_skyrl_searchpath`` makes ``rllm/backend=skyrl`` resolve in rLLM's ``unified``.
 
 Importing this module never imports rLLM; ``register()`` and ``SkyRLTrainerLauncher.train()`` do,
@@ -20,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import compat
+from rllm_skyrl.compat import rllm_sft_trainer
 from rllm_skyrl.compat.rllm_agent_trainer import BACKEND_NAME, TRAINER_MODULE, remove
 from rllm_skyrl.data import modality
 from rllm_skyrl.optional_deps import require
@@ -99,13 +102,20 @@ class SkyRLTrainerLauncher:
 
 def register() -> None:
     """Make rLLM's ``AgentTrainer(backend="skyrl")`` run ``SkyRLTrainerLauncher`` (the
-    ``rllm_agent_trainer`` set; other backends untouched); safe to call twice. On an rLLM version the
-    set was not verified on, or with it turned off, it is skipped; ``SkyRLTrainerLauncher`` still
-    works directly."""
+    ``rllm_agent_trainer`` set; other backends untouched) and its ``AgentSFTTrainer(spec,
+    backend="skyrl")`` run ``rllm_skyrl.sft.backend.SkyRLSFTBackend`` (the ``rllm_sft_trainer`` set);
+    safe to call twice. On an rLLM version a set was not verified on, or with it turned off, it is
+    skipped; ``SkyRLTrainerLauncher`` and ``SkyRLSFTBackend`` still work directly."""
     require("rllm", TRAINER_MODULE)
     compat.apply(["rllm_agent_trainer"], SkyRLTrainerLauncher)
+    if compat.usable(["rllm_sft_trainer"]):  # installed again after unregister(), not once per process
+        from rllm_skyrl.sft.backend import SkyRLSFTBackend
+
+        rllm_sft_trainer.BACKENDS[SkyRLSFTBackend.name] = SkyRLSFTBackend
+        rllm_sft_trainer.apply()
 
 
 def unregister() -> None:
-    """Undo ``register()``: rLLM's own ``AgentTrainer`` constructor again."""
+    """Undo ``register()``: rLLM's own ``AgentTrainer`` constructor and SFT dispatch again."""
     remove()
+    rllm_sft_trainer.remove()

@@ -127,6 +127,7 @@ def test_cuda_changes_skyrls_training_code_only_by_bug_fixes():
         "sigterm",
         "rllm_agent_trainer",
         "rllm_gateway",
+        "rllm_sft_trainer",
         "rllm_tracking",
         "rllm_distill_rewards",
     }

@@ -114,3 +114,25 @@ def test_distill_script_serves_a_teacher_and_distils(tmp_path, monkeypatch):
     assert [r["step"] for r in train] == [1, 2]
     # Every response token scored by the teacher: 16 tasks x 2 samples x at most 2 tokens.
     assert all(16 * 2 <= r["distill/tokens"] <= 16 * 2 * 2 and r["distill/reverse_kl"] > 0 for r in train)
+
+
+def test_sft_script_fine_tunes_then_runs_rl_from_the_export(tmp_path):
+    """examples/sft/train.sh, shortened: rLLM's AgentSFTTrainer on SkyRL, then AgentTrainer GRPO."""
+    pytest.importorskip("rllm", reason="the example is rLLM's SFT and RL entry points")
+    out = tmp_path / "out"
+    env = {**os.environ, "SFT_OUT": str(out), "RL_STEPS": "2", "WANDB_MODE": "offline"}
+    result = subprocess.run(
+        ["bash", "examples/sft/train.sh", "--epochs", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    sft = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft if "train_mean_nll" in r] == [1, 2, 3, 4, 5]
+    model_dir = out / "sft" / "hf_exports" / "global_step_5" / "policy"
+    assert f"HF model: {model_dir}" in result.stdout
+    rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rl if "reward/mean" in r] == [1, 2]

@@ -64,6 +64,7 @@ def test_plan_lists_the_patch_sets_of_the_gpu_cluster_and_of_this_cpu_machine():
         "sigterm",
         "rllm_agent_trainer",
         "rllm_gateway",
+        "rllm_sft_trainer",
         "rllm_tracking",
         "rllm_distill_rewards",
     ]

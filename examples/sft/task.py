@@ -1,84 +1,72 @@
-"""The addition task: "what is A plus B?" -> (A + B) mod 10, as SFT pairs (parquet) and as RL rows.
+"""The successor task: "what comes after A?" -> (A + 1) mod 10, asked in six phrasings.
 
-GRPO needs some rollouts to score before it can learn anything. A random-init model answers with
-the right digit about one time in ten and in the right format far less often, so from scratch a
-few dozen RL steps barely move it. Supervised pairs teach the mapping directly; RL started from
-the SFT export begins with most answers right. Held-out pairs (never trained on) measure whether
-SFT learned addition or only the pairs it saw.
-
-Rewards and answer format are the digit task's (``examples/simple_math/task.py``): the completion
-must start with exactly the answer digit.
+A random-init model answers it at chance. As SFT data each row is a ``messages`` conversation; the
+held-out rows pair a digit with a phrasing never seen together in training (each digit is trained
+in the five other phrasings, each phrasing on other digits), so a right held-out answer means the
+model learned the mapping, not the rows. As RL rows the same questions go to the digit task's
+workflow and reward (the completion must start with exactly the answer digit).
 """
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
-
-import pandas as pd
 
 from examples.simple_math.task import digit_reward, reward_fn
 
-DATA_SOURCE = "addition_mod10"
-Pair = tuple[int, int]
+DATA_SOURCE = "successor"
+PHRASINGS = (
+    "what comes after {a}?",
+    "which digit follows {a}?",
+    "next digit after {a}?",
+    "successor of {a}?",
+    "count on from {a}: ?",
+    "{a} plus one, mod ten?",
+)
 
-__all__ = [
-    "DATA_SOURCE",
-    "digit_reward",
-    "make_rows",
-    "read_sft_parquet",
-    "reward_fn",
-    "split_pairs",
-    "write_sft_parquet",
-]
+__all__ = ["DATA_SOURCE", "PHRASINGS", "digit_reward", "make_rows", "messages_rows", "reward_fn", "split"]
 
-
-def question(a: int, b: int) -> str:
-    return f"what is {a} plus {b}?"
+Item = tuple[int, int]  # (digit, phrasing index)
 
 
-def answer(a: int, b: int) -> str:
-    return str((a + b) % 10)
+def question(digit: int, phrasing: int) -> str:
+    return PHRASINGS[phrasing].format(a=digit)
 
 
-def split_pairs(num_heldout: int, seed: int = 0) -> tuple[list[Pair], list[Pair]]:
-    """All 100 (A, B) digit pairs, split into training pairs and ``num_heldout`` held-out pairs."""
-    pairs = [(a, b) for a in range(10) for b in range(10)]
-    random.Random(seed).shuffle(pairs)
-    return sorted(pairs[num_heldout:]), sorted(pairs[:num_heldout])
+def answer(digit: int) -> str:
+    return str((digit + 1) % 10)
 
 
-def write_sft_parquet(path: str | Path, pairs: list[Pair]) -> Path:
-    """One row per pair: ``prompt`` (the user message) and ``response`` (the assistant's answer)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(
+def split() -> tuple[list[Item], list[Item]]:
+    """Training items and held-out items: digit d is held out in phrasing d mod 6."""
+    items = [(d, p) for d in range(10) for p in range(len(PHRASINGS))]
+    heldout = [(d, d % len(PHRASINGS)) for d in range(10)]
+    return [item for item in items if item not in heldout], heldout
+
+
+def messages_rows(items: list[Item]) -> list[dict]:
+    """rLLM's SFT rows: one user question and the assistant's answer each."""
+    return [
         {
-            "prompt": [question(a, b) for a, b in pairs],
-            "response": [answer(a, b) for a, b in pairs],
-            "data_source": DATA_SOURCE,
+            "messages": [
+                {"role": "user", "content": question(d, p)},
+                {"role": "assistant", "content": answer(d)},
+            ]
         }
-    )
-    frame.to_parquet(path, index=False)
-    return path
-
-
-def read_sft_parquet(path: str | Path) -> list[tuple[str, str]]:
-    frame = pd.read_parquet(path, columns=["prompt", "response"])
-    return list(zip(frame["prompt"], frame["response"], strict=True))
+        for d, p in items
+    ]
 
 
 def make_rows(num_rows: int, seed: int = 0) -> list[dict]:
-    """RL task rows over all 100 pairs, in the digit task's row format."""
+    """RL task rows over every digit and phrasing, in the digit task's row format."""
     rng = random.Random(seed)
     rows = []
     for index in range(num_rows):
-        a, b = rng.randrange(10), rng.randrange(10)
+        d, p = rng.randrange(10), rng.randrange(len(PHRASINGS))
         rows.append(
             {
-                "id": f"add-{index}",
-                "question": question(a, b),
-                "answer": answer(a, b),
+                "id": f"succ-{index}",
+                "question": question(d, p),
+                "answer": answer(d),
                 "data_source": DATA_SOURCE,
             }
         )

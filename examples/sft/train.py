@@ -1,120 +1,71 @@
-"""SFT on the addition task through ``ModelRegistry``: ``python -m examples.sft.train [overrides]``.
+"""SFT on the successor task through rLLM's ``AgentSFTTrainer(spec, backend="skyrl")``.
 
-Writes the generated pairs as parquet, trains with ``cross_entropy`` on SkyRL's workers, prints the
-held-out loss every ``sft.eval_every`` steps, and exports an HF model directory (``sft.export_dir``)
-that an RL run takes as ``model.path``.
+``python -m examples.sft.train OUT_DIR [--epochs N] [--lr LR] [--lora-rank R]`` writes the train
+and held-out rows, fine-tunes the tiny model on SkyRL's SFT trainer (checkpoints, validation loss on
+the held-out rows, ``metrics.jsonl`` in OUT_DIR), and prints the HF model directory an RL run takes
+as ``model.path`` (``examples/sft/rl.py``). Run it again with more epochs and it resumes.
 """
 
 from __future__ import annotations
 
-import random
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+import argparse
 from pathlib import Path
+from typing import Any
 
-import hydra
-from omegaconf import DictConfig
+from examples.sft.task import messages_rows, split
 
-from examples.sft.task import read_sft_parquet, split_pairs, write_sft_parquet
-from rllm_skyrl import compat
-from rllm_skyrl.compat.output_masking import mask_process_output
-from rllm_skyrl.data.adapter import sft_examples_to_batch
-from rllm_skyrl.run.exits import clean_stop, one_line_errors
-from rllm_skyrl.run_config import resolve_run_config
-from rllm_skyrl.runtime import Runtime
-
-MODEL_ID = "sft"
-
-
-@dataclass
-class SFTResult:
-    export_dir: Path
-    heldout_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
-    seconds: float = 0.0
-
-
-def encode(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-    """Prompt as the rollout engine renders it (chat template, generation prompt); response + EOS."""
-    examples = []
-    for prompt, response in pairs:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-        response_ids = tokenizer.encode(response, add_special_tokens=False) + [tokenizer.eos_token_id]
-        examples.append((prompt_ids, response_ids))
-    return examples
+# What the measured run used (README): 100 steps of 10 rows, validation every 25.
+DEFAULTS = {
+    "model": "tiny",
+    "lr": 3e-3,
+    "epochs": 20,
+    "batch_size": 10,
+    "max_length": 64,
+    # The RL run's servers render prompts with the tokenizer's chat template: train on that rendering.
+    "tokenize_method": "hf_template",
+    "lora_rank": 0,
+    "save_freq": 50,
+    "val_freq": 25,
+    "project": "rllm-skyrl-examples",
+    "experiment": "sft_successor",
+}
 
 
-def shuffled_batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
-    """Endless epochs over ``examples`` in a new order each time; a batch never spans two epochs."""
-    rng = random.Random(seed)
-    while True:
-        order = list(examples)
-        rng.shuffle(order)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
+def sft_spec(output_dir: str | Path, **fields: Any):
+    """rLLM's ``SFTSpec`` for the successor task; ``fields`` override ``DEFAULTS``."""
+    from rllm.data import Dataset
+    from rllm.trainer.sft import SFTSpec
+
+    train, heldout = split()
+    return SFTSpec(
+        train_dataset=Dataset(messages_rows(train)),
+        val_dataset=Dataset(messages_rows(heldout)),
+        output_dir=str(output_dir),
+        **{**DEFAULTS, **fields},
+    )
 
 
-def train_sft(cfg: DictConfig) -> SFTResult:
-    """Run the SFT loop described by ``cfg`` (this example's config) and export the model."""
-    started = time.perf_counter()
-    sft = cfg.sft
-    train_pairs, heldout_pairs = split_pairs(sft.heldout_pairs, seed=sft.seed)
-    data_dir = Path(sft.data_dir)
-    train_path = write_sft_parquet(data_dir / "train.parquet", train_pairs)
-    heldout_path = write_sft_parquet(data_dir / "heldout.parquet", heldout_pairs)
+def train_sft(output_dir: str | Path, **fields: Any):
+    """One SFT run; returns the backend (``model_dir``, ``checkpoint_dir``)."""
+    from rllm.trainer.agent_sft_trainer import AgentSFTTrainer
 
-    # One optimizer step per SFT step: the run is exactly sft.steps optimizer steps long.
-    with one_line_errors():
-        run = resolve_run_config(cfg).for_total_steps(sft.steps)
-    runtime = Runtime.start(run, serve=False)
-    try:
-        tokenizer, models = runtime.tokenizer, runtime.models
-        train = encode(tokenizer, read_sft_parquet(train_path))
-        heldout = encode(tokenizer, read_sft_parquet(heldout_path))
-        print(f"data: {len(train)} train pairs ({train_path}), {len(heldout)} held-out ({heldout_path})")
-        models.create_model(MODEL_ID)
-        dp_size = runtime.workers.dp_size("policy")
+    from rllm_skyrl.rllm_plugin import register
 
-        def batch_of(examples: list):
-            return sft_examples_to_batch(examples, pad_token_id=tokenizer.pad_token_id, dp_size=dp_size)
-
-        heldout_batch = batch_of(heldout)
-        result = SFTResult(export_dir=Path(sft.export_dir))
-
-        def evaluate(step: int, train_loss: float | None) -> None:
-            loss = models.forward(MODEL_ID, heldout_batch, loss_fn="cross_entropy").metrics["loss"]
-            result.heldout_losses.append((step, loss))
-            shown = "" if train_loss is None else f"train loss {train_loss:.3f}  "
-            print(f"step {step:4d}  {shown}held-out loss {loss:.3f}", flush=True)
-
-        evaluate(0, None)
-        batches = shuffled_batches(train, sft.batch_size, seed=sft.seed)
-        for step in range(1, sft.steps + 1):
-            output = models.forward_backward(MODEL_ID, batch_of(next(batches)), loss_fn="cross_entropy")
-            models.optim_step(MODEL_ID)
-            if step % sft.eval_every == 0 or step == sft.steps:
-                evaluate(step, output.metrics["loss"])
-        models.save_hf_model(MODEL_ID, str(result.export_dir))
-    finally:
-        runtime.shutdown()
-    result.seconds = time.perf_counter() - started
-    first, last = result.heldout_losses[0][1], result.heldout_losses[-1][1]
-    print(f"held-out loss: {first:.3f} -> {last:.3f} in {sft.steps} steps ({result.seconds:.0f} s)")
-    print(f"HF model: {result.export_dir}")
-    rl_command = "python -m examples.sft.rl_addition training.learning_rate=3e-4"
-    print(f"RL from it: {rl_command} model.path={result.export_dir}")
-    return result
+    register()
+    trainer = AgentSFTTrainer(sft_spec(output_dir, **fields), backend="skyrl")
+    trainer.train()
+    return trainer.prepare()
 
 
-@hydra.main(config_path=".", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    mask_process_output()
-    compat.apply(["quiet_logs"])
-    with clean_stop():
-        train_sft(cfg)
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m examples.sft.train")
+    parser.add_argument("output_dir")
+    parser.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
+    parser.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    parser.add_argument("--lora-rank", type=int, default=DEFAULTS["lora_rank"])
+    args = parser.parse_args()
+    backend = train_sft(args.output_dir, epochs=args.epochs, lr=args.lr, lora_rank=args.lora_rank)
+    print(f"HF model: {backend.model_dir}")
 
 
 if __name__ == "__main__":

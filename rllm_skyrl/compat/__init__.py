@@ -200,8 +200,8 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "output_masking",
         PROCESS,
         "secrets masked in the console, logs and tracebacks",
-        "every run's driver, at its first line (training_run.train, rllm-skyrl plan, the SFT "
-        "example); again for each secret learned later",
+        "every run's driver, at its first line (training_run.train; rllm-skyrl plan, train and "
+        "sft); again for each secret learned later",
         "secrets from the environment and the config must not reach the console or logs; the "
         "process's stdout, stderr, excepthook, log handlers and loguru's records are wrapped",
         "secrets masked from the first line of output",
@@ -212,7 +212,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "quiet_logs",
         PROCESS,
         "SkyRL's, Ray's and httpx's console logs at WARNING, other loguru sinks kept",
-        "every run's driver, after output_masking (training_run.train, rllm-skyrl plan, the SFT example)",
+        "every run's driver, after output_masking (training_run.train; rllm-skyrl plan, train and sft)",
         "SkyRL logs its start-up notes and every HTTP request at INFO and DEBUG; the console keeps "
         "the run's progress, warnings and errors (RLLM_SKYRL_LOG_LEVEL=INFO brings them back); "
         "loguru's default stderr sink is replaced, every other sink left as it is",
@@ -263,6 +263,18 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "gateway's HTTP work off the driver's GIL",
         "rLLM: register the workers of any engine with a server_addresses attribute, and bind the "
         "gateway to rllm.gateway.host",
+        {"rllm": (RLLM,)},
+    ),
+    PatchSet(
+        "rllm_sft_trainer",
+        INTEGRATION,
+        "rLLM's AgentSFTTrainer dispatches backend='skyrl' to SkyRL's SFT trainer",
+        "rllm_plugin.register() (rLLM installed), also for rllm-skyrl sft; changes "
+        "AgentSFTTrainer's backend choice for the names in its table (skyrl) only",
+        "rLLM's AgentSFTTrainer picks its backend with an if-chain in _make_backend and has no table "
+        "to add one to; the method is wrapped to look names up in a table first (skyrl)",
+        "AgentSFTTrainer(spec, backend='skyrl') and rllm-skyrl sft train on SkyRL's own SFT trainer",
+        "rLLM: a backend table for AgentSFTTrainer",
         {"rllm": (RLLM,)},
     ),
     PatchSet(
