@@ -12,6 +12,7 @@ traces after it.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 
 import httpx
@@ -25,7 +26,12 @@ from rllm_skyrl.data.adapter import BatchConfig, trajectory_groups_to_batch
 from rllm_skyrl.rollout.engine import SkyRLEngine
 from rllm_skyrl.rollout.servers import start_cpu_servers, without_credentials
 
-pytestmark = requires_rllm
+# The default suite's rLLM is installed without its dependencies; CI's full install has the gateway.
+requires_gateway = pytest.mark.skipif(
+    importlib.util.find_spec("rllm_model_gateway") is None,
+    reason="rLLM's model gateway (rllm-model-gateway) is not installed: scripts/install_rllm.sh installs it",
+)
+pytestmark = [requires_rllm, requires_gateway]
 MAX_RESPONSE = 6
 
 
