@@ -93,3 +93,14 @@ def test_wheel_carries_the_configs_and_composes_in_a_scratch_environment(tmp_pat
     report = _compose(python, tmp_path, env)
     assert Path(report["package"]).is_relative_to(site)
     assert report == {**report, "n": 3, "backend": "skyrl"}
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """The wheel lists its packages by name (setuptools), so a new folder must be added there too."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        ".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "rllm_skyrl").rglob("__init__.py")
+    }
+    assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
