@@ -116,6 +116,7 @@ def test_distill_script_serves_a_teacher_and_distils(tmp_path, monkeypatch):
     assert all(16 * 2 <= r["distill/tokens"] <= 16 * 2 * 2 and r["distill/reverse_kl"] > 0 for r in train)
 
 
+@pytest.mark.slow  # a whole SFT run (SkyRL's SFT trainer) before the RL steps
 def test_sft_script_fine_tunes_then_runs_rl_from_the_export(tmp_path):
     """examples/sft/train.sh, shortened: rLLM's AgentSFTTrainer on SkyRL, then AgentTrainer GRPO."""
     pytest.importorskip("rllm", reason="the example is rLLM's SFT and RL entry points")
