@@ -91,8 +91,8 @@ class SkyRLBackend:
         if why is not None:
             raise ValueError(why)
         self.run = resolve_run_config(self.config)
-        if importlib.util.find_spec("rllm_model_gateway") is not None:  # an AgentFlow's calls go through it
-            compat.apply(["rllm_gateway"])
+        if rllm_api.installed() and importlib.util.find_spec("rllm_model_gateway") is not None:
+            compat.apply(["rllm_gateway"])  # an AgentFlow's calls go through rLLM's gateway
         for key, value in trainer_keys_behind(self.config).items():  # force_add: struct configs too
             OmegaConf.update(self.config, key, value, merge=False, force_add=True)
 
