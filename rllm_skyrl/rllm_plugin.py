@@ -108,11 +108,10 @@ def register() -> None:
     skipped; ``SkyRLTrainerLauncher`` and ``SkyRLSFTBackend`` still work directly."""
     require("rllm", TRAINER_MODULE)
     compat.apply(["rllm_agent_trainer"], SkyRLTrainerLauncher)
-    if compat.usable(["rllm_sft_trainer"]):  # installed again after unregister(), not once per process
+    if compat.usable(["rllm_sft_trainer"]):  # its backend subclasses rLLM's SFTBackend: import it only then
         from rllm_skyrl.sft.backend import SkyRLSFTBackend
 
-        rllm_sft_trainer.BACKENDS[SkyRLSFTBackend.name] = SkyRLSFTBackend
-        rllm_sft_trainer.apply()
+        compat.apply(["rllm_sft_trainer"], SkyRLSFTBackend)
 
 
 def unregister() -> None:

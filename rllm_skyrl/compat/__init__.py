@@ -276,6 +276,7 @@ PATCH_SETS: tuple[PatchSet, ...] = (
         "AgentSFTTrainer(spec, backend='skyrl') and rllm-skyrl sft train on SkyRL's own SFT trainer",
         "rLLM: a backend table for AgentSFTTrainer",
         {"rllm": (RLLM,)},
+        each_call=True,
     ),
     PatchSet(
         "rllm_tracking",

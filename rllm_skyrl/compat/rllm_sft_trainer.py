@@ -4,7 +4,8 @@ rLLM's SFT dispatcher picks its backend with an if-chain in ``AgentSFTTrainer._m
 answers "Unknown SFT backend" for any other name; there is no table to add one to. ``apply`` wraps
 that method in place (code that imported the class already sees the change) so that a name in
 ``BACKENDS`` builds its class from the spec, and lists the table's names among those its error
-names; every other name runs rLLM's method untouched. ``rllm_plugin.register`` fills in ``skyrl``.
+names; every other name runs rLLM's method untouched. ``rllm_plugin.register`` applies it with
+``SkyRLSFTBackend``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ BACKENDS: dict[str, type] = {}
 _ORIGINAL = "__rllm_skyrl_original_make_backend__"
 
 
-def apply() -> None:
-    """Route the names in ``BACKENDS`` to their classes; safe to call twice."""
+def apply(backend_cls: type) -> None:
+    """Route ``backend_cls.name`` (and the names already in ``BACKENDS``) to their classes; safe to
+    call twice."""
+    BACKENDS[backend_cls.name] = backend_cls
     module = importlib.import_module(DISPATCHER_MODULE)
     trainer = module.AgentSFTTrainer
     original = trainer._make_backend
