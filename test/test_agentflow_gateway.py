@@ -31,7 +31,7 @@ requires_gateway = pytest.mark.skipif(
     importlib.util.find_spec("rllm_model_gateway") is None,
     reason="rLLM's model gateway (rllm-model-gateway) is not installed: scripts/install_rllm.sh installs it",
 )
-pytestmark = [requires_rllm, requires_gateway]
+pytestmark = [pytest.mark.slow, requires_rllm, requires_gateway]
 MAX_RESPONSE = 6
 
 

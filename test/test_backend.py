@@ -132,6 +132,7 @@ class TwoTurnTokenWorkflow(Workflow):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_two_turn_masks_reach_skyrl(tmp_path, recorded_batches, recorded_groups):
     """Turn 2's prompt extends turn 1: one row per trajectory, loss only on the model's tokens."""

@@ -319,6 +319,7 @@ def test_what_is_alive_when_training_starts_is_left_out_of_later_collections(tmp
 # ---------------------------------------------------------------------------- real runs
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_weights_optimizer_data_position_and_rng(digits_runs):
     straight = digits_runs.straight
     assert_ok(straight)
@@ -339,6 +340,7 @@ def test_checkpoints_hold_weights_optimizer_data_position_and_rng(digits_runs):
     assert any(not torch.equal(early[k], late[k]) for k in early if k.startswith("model/"))
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(digits_runs):
     kill = digits_runs.kill
     assert digits_runs.killed.returncode == -signal.SIGKILL
@@ -350,6 +352,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(digits_runs):
     assert kill.leftover_pids == [], "processes of the killed run outlived it by a minute"
 
 
+@pytest.mark.slow
 def test_auto_resume_after_the_kill_matches_the_uninterrupted_run(digits_runs):
     straight, killed, resumed = digits_runs.straight, digits_runs.killed, digits_runs.resumed
     assert_ok(straight)

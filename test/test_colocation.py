@@ -16,7 +16,7 @@ from rllm_skyrl.rollout.servers import colocated_placement_group
 from rllm_skyrl.run_config import make_skyrl_config
 from rllm_skyrl.update.workers import COLOCATED_GPU_SHARE, SkyRLWorkers
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 def colocated_config(model_dir: str, tmp_path):

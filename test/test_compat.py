@@ -84,6 +84,7 @@ def test_workers_get_what_the_driver_applies(fresh_guards):
     assert cuda["env_vars"] == {compat.ENV_VAR: "tied_embeddings"}
 
 
+@pytest.mark.slow
 def test_worker_hook_applies_what_the_driver_listed():
     program = """
         import json, importlib
@@ -372,6 +373,7 @@ def unverified_skyrl_run(tmp_path_factory, slow_selected):
     return quickstart_on_an_unverified_skyrl(tmp_path_factory.mktemp("unverified"), steps=steps)
 
 
+@pytest.mark.slow
 def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(unverified_skyrl_run):
     """Each SkyRL speed set is skipped with one warning; the trainer then runs SkyRL's own forward,
     whose log-probs still match the server's."""

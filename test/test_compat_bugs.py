@@ -18,6 +18,7 @@ from rllm_skyrl.hardware import NO_FLASH_ATTN_CONFIG, flash_attn_installed
 # --------------------------------------------------------------------------- flash-attn
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(flash_attn_installed(), reason="flash-attn is installed here: the stub never applies")
 def test_skyrl_workers_import_only_with_the_stub():
     program = """
@@ -74,6 +75,7 @@ def test_the_stub_reports_flash_attention_absent():
     assert outcome["platform_cuda"] == NO_FLASH_ATTN_CONFIG
 
 
+@pytest.mark.slow
 def test_cuda_without_flash_attn_prepares_sdpa_and_keeps_cuda_untouched():
     """The driver of a CUDA run without flash-attn: stub and tie patch, no CPU patch; SkyRL imports."""
     program = """
@@ -145,6 +147,7 @@ FSDP_INIT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["unpatched", "patched"])
 def test_skyrl_fsdp_init_keeps_tied_embeddings_tied_only_with_the_patch(tied_tiny_model_dir, mode):
     """SkyRL's own FSDP2 set-up and optimizer step, single rank: unpatched it unties the head."""

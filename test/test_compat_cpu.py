@@ -71,6 +71,7 @@ def run_probes(mode: str) -> dict[str, str]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_unpatched_calls_fail_and_patched_calls_work():
     """Without each patch SkyRL's call fails on this machine; with it, the same call succeeds."""
     bare, patched = run_probes("bare"), run_probes("patched")
@@ -101,6 +102,7 @@ def test_cpu_config_overrides_win():
     assert cfg.data.dataloader.num_workers == 0
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_patches_are_applied_inside_ray_workers():
     import ray

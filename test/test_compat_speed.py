@@ -117,6 +117,7 @@ LAZY_IMPORTS = """
 """
 
 
+@pytest.mark.slow
 def test_a_worker_imports_skyrls_modules_without_running_wandb_datasets_or_pandas():
     """The workers' hook defers the three packages SkyRL's worker modules import and never use
     there; SkyRL still imports them (unpatched, all three run), and each works on first use."""
@@ -262,6 +263,7 @@ WINDOW_FORWARD = """
 """
 
 
+@pytest.mark.slow
 def test_response_logits_match_skyrl_forward_and_skip_the_prompt(tiny_model_dir):
     """The patched forward equals SkyRL's on what its worker reads, with the LM head on the window only."""
     outcome = run_python(WINDOW_FORWARD, tiny_model_dir)
@@ -325,6 +327,7 @@ PACKED_FORWARD = """
 """
 
 
+@pytest.mark.slow
 def test_a_prompts_samples_are_computed_as_one_packed_row_with_skyrl_forwards_results(tiny_model_dir):
     """Through the patched ``HFModelWrapper.forward``: a GRPO batch (3 prompts x 4 samples) runs
     the model on 4 packed rows instead of 12, with SkyRL's log-probs, entropy and gradients."""

@@ -211,6 +211,7 @@ def _assert_entry_refuses(entry: dict[str, tuple[str, dict]], table: list[tuple[
         _assert_one_line(result["stderr"], expected, result["code"])
 
 
+@pytest.mark.slow
 def test_train_entry_refuses_in_one_line_before_ray(train_entry):
     _assert_entry_refuses(train_entry, ENTRY_SAMPLE)
 
@@ -223,6 +224,7 @@ def test_train_entry_refuses_the_whole_table_in_one_line_before_ray(train_entry)
 requires_rllm = pytest.mark.skipif(importlib.util.find_spec("rllm") is None, reason="rLLM is not installed")
 
 
+@pytest.mark.slow
 @requires_rllm
 def test_rllm_entry_refuses_in_one_line_before_ray(rllm_entry):
     _assert_entry_refuses(rllm_entry, ENTRY_SAMPLE)
@@ -234,6 +236,7 @@ def test_rllm_entry_refuses_the_whole_table_in_one_line_before_ray(rllm_entry):
     _assert_entry_refuses(rllm_entry, BAD)
 
 
+@pytest.mark.slow
 def test_train_sh_prints_one_line(tmp_path):
     result = subprocess.run(
         ["bash", "scripts/train.sh", "training.learning_rate=-1", f"hydra.run.dir={tmp_path}/run"],
@@ -245,6 +248,7 @@ def test_train_sh_prints_one_line(tmp_path):
     _assert_one_line(result.stderr, "training.learning_rate=-1: expected a number > 0", result.returncode)
 
 
+@pytest.mark.slow
 def test_a_ray_address_nothing_answers_is_one_line_before_ray(tmp_path, monkeypatch):
     """A stale RAY_ADDRESS (its cluster gone): one line at once, where Ray would retry for minutes."""
     with socket.socket() as closed:  # bound, not listening: connections to it are refused

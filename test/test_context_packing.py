@@ -193,6 +193,7 @@ FSDP_TWO_RANKS = """
 """
 
 
+@pytest.mark.slow
 def test_fsdp_over_two_ranks_gets_the_row_by_row_gradients_from_packed_rows(tiny_model_dir):
     """One forward and one backward per layer: FSDP re-shards after each, and the gradients of
     both ranks' packed batches reduce to those of their row-by-row batches."""

@@ -64,6 +64,7 @@ def test_simple_math_script(tmp_path):
         assert "Training Config" in (tmp_path / "run" / "trainer_output.log").read_text()
 
 
+@pytest.mark.slow
 def test_simple_math_runs_on_the_fallback_without_rllm(tmp_path):
     """The same example code, as on a machine where rLLM is not installed: the standalone trainer."""
     records, console = run_example(
@@ -82,6 +83,7 @@ def test_simple_math_runs_on_the_fallback_without_rllm(tmp_path):
     assert "is not available" not in console  # rLLM's config source, expected to be missing
 
 
+@pytest.mark.slow
 def test_solver_judge_trains_both_roles(tmp_path):
     records, _ = run_example(
         [

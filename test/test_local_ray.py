@@ -19,6 +19,7 @@ from rllm_skyrl.compat import local_ray, sigterm
 from rllm_skyrl.hardware import Platform
 
 
+@pytest.mark.slow
 def test_start_ray_connects_to_the_launched_ray_with_the_runs_token_and_stops_it():
     """The driver joins the Ray launched at the first line (the same GCS; a Ctrl-C meanwhile is the
     driver's, not the launched process's), its workers get the run's runtime env, a client without

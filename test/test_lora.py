@@ -312,6 +312,7 @@ def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+@pytest.mark.slow
 def test_only_adapters_train_and_only_they_have_optimizer_state(trained):
     before, after = trained["lora_before"], trained["lora_after"]
     adapters = sorted(name for name in after if _is_adapter(name))
@@ -326,6 +327,7 @@ def test_only_adapters_train_and_only_they_have_optimizer_state(trained):
     assert lora_bytes * 4 < full_bytes
 
 
+@pytest.mark.slow
 def test_sync_ships_the_adapter_and_the_server_samples_from_it(trained):
     from safetensors.torch import load_file
 
@@ -350,6 +352,7 @@ def _logprobs(model, tokenizer) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids["input_ids"][:, 1:, None]).squeeze(-1)
 
 
+@pytest.mark.slow
 def test_export_writes_the_adapter_and_on_request_a_merged_model(trained, tiny_model_dir, tiny_tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -378,7 +381,7 @@ def test_export_writes_the_adapter_and_on_request_a_merged_model(trained, tiny_m
 # ---------------------------------------------------------------------------- checkpoint and resume
 
 
-@pytest.mark.slow  # two LoRA runs and a resume: about a minute (the full-weight resume test runs by default)
+@pytest.mark.slow  # two LoRA runs and a resume: about a minute; the full-weight resume is test_checkpoint_resume.py
 def test_a_lora_run_resumes_exactly(tmp_path):
     """4 LoRA steps straight, against 2 steps resumed from the straight run's step-2 checkpoint."""
     common = [
@@ -429,6 +432,7 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 LEARNING_LR, LEARNING_STEPS = 1e-3, 10
 
 
+@pytest.mark.slow
 @requires_rllm
 def test_tinker_lora_keys_train_under_rllm(ray_cluster, tmp_path):
     """rLLM's config with ``rllm/backend=skyrl`` and tinker's ``model.lora_rank``: every sync ships the

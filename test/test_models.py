@@ -295,6 +295,7 @@ def per_token_loss(loss_name: str, config, logprob: float, old: float, advantage
     return loss.item()
 
 
+@pytest.mark.slow
 def test_cross_entropy_rows_and_loss(registry, tiny_model_dir, tiny_tokenizer, tmp_path):
     pairs = encoded(tiny_tokenizer)[:3]
     batch = sft_examples_to_batch(
@@ -357,6 +358,7 @@ def test_rl_elementwise_loss_matches_skyrls_loss_per_token(
     assert output.metrics["loss"] == pytest.approx(total, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_forward_backward_matches_forward_and_trains(registry, tiny_tokenizer):
     fresh(registry)
     batch = rl_batch(registry, tiny_tokenizer, seed=1)
@@ -371,6 +373,7 @@ def test_forward_backward_matches_forward_and_trains(registry, tiny_tokenizer):
     assert after.metrics["loss"] < before.metrics["loss"], "one step on the same rows lowers their loss"
 
 
+@pytest.mark.slow
 def test_critic_values_match_a_direct_forward(registry, tiny_tokenizer, tmp_path):
     """The critic's values against Qwen3 + the exported value head, run outside SkyRL."""
     from transformers import AutoModel
@@ -391,6 +394,7 @@ def test_critic_values_match_a_direct_forward(registry, tiny_tokenizer, tmp_path
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_critic_value_clip_reaches_the_loss(registry, tiny_tokenizer):
     """set_algorithm_config then a critic update with no loss name: SkyRL's critic loss with that clip."""
     fresh(registry)
@@ -427,6 +431,7 @@ def _train_once(registry: ModelRegistry, parts: list[TrainingInputBatch], export
     return result
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_call(registry, tiny_tokenizer, tmp_path):
     """Two forward_backward calls then one optim_step == one call on both halves, for policy and critic.
 

@@ -256,6 +256,7 @@ def shifted_run(root: Path, monkeypatch, *overrides: str) -> tuple[dict, list[tu
     return record, calls
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("bypass", [True, False], ids=["bypass", "recomputed"])
 def test_the_weights_compare_the_trainer_with_the_sampler_in_both_modes(tmp_path, monkeypatch, bypass):
@@ -275,6 +276,7 @@ def test_the_weights_compare_the_trainer_with_the_sampler_in_both_modes(tmp_path
     assert record["train/grad_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_without_tis_a_step_calls_the_workers_as_the_quickstart_always_did(tmp_path, monkeypatch):
     """No forward pass, one forward-backward with the loss the workers were built with (no lookup,

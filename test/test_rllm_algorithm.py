@@ -80,6 +80,7 @@ def early_letter_reward(task: dict, action) -> object:
     return RewardOutput(reward=reward, is_correct=reward > 0)
 
 
+@pytest.mark.slow
 @requires_rllm
 @pytest.mark.usefixtures("ray_cluster")
 def test_gspo_trains_under_rllms_trainer(tmp_path, monkeypatch):
@@ -105,6 +106,7 @@ def test_gspo_trains_under_rllms_trainer(tmp_path, monkeypatch):
     assert all(r["train/grad_norm"] > 0 and math.isfinite(r["train/policy_loss"]) for r in records)
 
 
+@pytest.mark.slow
 def test_solver_judge_trains_each_role_with_its_own_loss(tmp_path):
     """The solver-judge example with ``[estimator, loss_fn]`` per role (rLLM's tuples): both roles
     train, each role's rows with its loss, and each role's share of the loss is named in the metrics."""

@@ -96,6 +96,7 @@ def test_task_ids_follow_rllm():
 # ------------------------------------------------------------------ training runs
 
 
+@pytest.mark.slow
 def test_agent_trainer_trains_validates_and_logs_like_tinker(tmp_path):
     """rLLM's AgentTrainer(backend="skyrl"), SimpleWorkflow and DatasetRegistry rows, 3 steps.
 
@@ -155,6 +156,7 @@ def test_agent_trainer_trains_validates_and_logs_like_tinker(tmp_path):
     assert (tmp_path / "run" / "metrics.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_fully_async_syncs_once_per_update_while_rollouts_go_on(tmp_path):
     """Fully-async: one weight sync per on_policy_updated at the trainer's weight_version, none in
     on_batch_end; requests finish while a forward-backward runs (nothing blocks the event loop)."""
@@ -266,6 +268,7 @@ def _text_agent_class():
     return TextAgent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workflow", ["CumulativeWorkflow", "MultiTurnWorkflow"])
 def test_rllm_agent_env_workflows_train(tmp_path, workflow):
     """rLLM's own multi-turn workflows hand the agent only text; the backend restores the sampled
@@ -307,6 +310,7 @@ def test_rllm_agent_env_workflows_train(tmp_path, workflow):
         )  # trained, finite
 
 
+@pytest.mark.slow
 def test_bad_rollouts_follow_rllms_error_handling(tmp_path):
     """A workflow that raises for one task and a NaN reward for another: rLLM retries and records the
     failure; the backend drops (and counts) the broken trajectory instead of training on it, and
@@ -352,6 +356,7 @@ def test_bad_rollouts_follow_rllms_error_handling(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_standalone_trainer_calls_the_backend_as_rllm_does(tmp_path):
     """The same config under rLLM's UnifiedTrainer and the standalone one: the same hook calls, in the
     same order, with the same argument shapes (sync mode; validation before, during and after)."""

@@ -214,6 +214,7 @@ def _run(command, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, env=env, **kwargs)
 
 
+@pytest.mark.slow
 @requires_full_env
 def test_rllm_and_its_dependencies_import_with_the_overridden_versions():
     code = (  # the four, and rLLM's modules that use them

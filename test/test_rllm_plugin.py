@@ -255,6 +255,7 @@ class FailingUpdateBackend(SkyRLBackend):
         raise RuntimeError("optimizer blew up")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_failing_step_stops_servers_and_workers(tmp_path):
     cfg = rllm_config(
@@ -279,6 +280,7 @@ def test_a_failing_step_stops_servers_and_workers(tmp_path):
     assert all(process.poll() is not None for process in backend.server_processes)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_trainer_that_fails_to_build_stops_the_backend_it_started(tmp_path, monkeypatch):
     """rLLM builds its workflow engine after the backend started Ray workers and servers; a failure

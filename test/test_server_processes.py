@@ -166,6 +166,7 @@ def gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["plain exit", "SIGTERM"])
 def test_servers_die_with_the_process_that_started_them(tiny_model_dir, tmp_path, how):
     """A library user who exits without stop(), or whose process is terminated, leaves no server."""

@@ -30,7 +30,7 @@ from rllm_skyrl.run.metrics_file import read_metrics
 from rllm_skyrl.training_run import train
 from rllm_skyrl.update.workers import SkyRLWorkers
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 SHIFT = -0.25  # added to every sampled logprob the workflow reports
 KL_BETA = 0.01

@@ -49,6 +49,7 @@ def _by_step(records: list[dict]) -> dict[int, dict]:
     return merged
 
 
+@pytest.mark.slow
 def test_validation_runs_before_training_every_test_freq_steps_and_at_the_end(straight):
     val_steps = sorted({r["step"] for r in straight.metrics() if "val/digits_a/pass@1" in r})
     assert val_steps == [0, 2, 4]  # val_before_train, test_freq=2, last step
@@ -56,6 +57,7 @@ def test_validation_runs_before_training_every_test_freq_steps_and_at_the_end(st
     assert sampled == [0, 2, 4]  # each validation sampled the policy of its step
 
 
+@pytest.mark.slow
 def test_pass_at_k_matches_the_sampled_rollouts(straight):
     metrics = _by_step(straight.metrics())
     outcomes: dict[tuple[int, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -72,6 +74,7 @@ def test_pass_at_k_matches_the_sampled_rollouts(straight):
     assert any(0 < metrics[s][f"val/{src}/pass@1"] < 1 for s in (0, 2, 4) for src in VAL_SOURCES)
 
 
+@pytest.mark.slow
 def test_validation_uses_the_validation_sampling_params(straight):
     rollouts = straight.rollouts()
     assert {r["tokens"] for r in rollouts if r["val"]} == {1}  # rllm.rollout.val.max_tokens=1
@@ -107,6 +110,7 @@ RLLM_NAMES = [
 ]
 
 
+@pytest.mark.slow
 def test_metric_names_and_values(straight):
     metrics = _by_step(straight.metrics())
     assert sorted(metrics) == [0, 1, 2, 3, 4]
@@ -124,6 +128,7 @@ def test_metric_names_and_values(straight):
     assert all(f"val/{src}/pass@{N_VAL}" in metrics[s] for s in (0, 2, 4) for src in VAL_SOURCES)
 
 
+@pytest.mark.slow
 def test_console_shows_a_bar_with_live_reward_the_trainers_lines_and_a_summary(straight):
     """With ``rllm.trainer.logger=[console]``: the bar, the trainer's own line per step (rLLM's, or the
     fallback's short one), and the closing summary."""
@@ -144,6 +149,7 @@ def test_console_shows_a_bar_with_live_reward_the_trainers_lines_and_a_summary(s
     assert "run directory:" in text and f"val/digits_a/pass@{N_VAL}:" in text  # the closing summary
 
 
+@pytest.mark.slow
 def test_no_secret_reaches_logs_the_console_or_hydra_files(digits_runs):
     secrets = [*SECRETS.values(), CONFIG_SECRET]
     runs = [digits_runs.straight, digits_runs.killed, digits_runs.resumed]
@@ -156,6 +162,7 @@ def test_no_secret_reaches_logs_the_console_or_hydra_files(digits_runs):
     assert "auth" in hydra_config and "api_key" in hydra_config  # masked, not dropped
 
 
+@pytest.mark.slow
 def test_a_png_is_drawn_at_the_end_and_on_demand(straight, tmp_path):
     png = straight.run_dir / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000

@@ -55,6 +55,7 @@ def test_an_unknown_sync_method_is_refused(tmp_path):
         asyncio.run(weight_sync.sync_weights("nccl", None, None, tmp_path, version=1))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_trained_weights_reach_the_server(tied_tiny_model_dir, tiny_tokenizer, tmp_path):
     """On the tied tiny model: the harder case, where trainer and server could disagree on the head."""

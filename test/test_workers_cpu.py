@@ -13,7 +13,7 @@ from helpers import PAIRS, exported_weights, hf_logprobs, hf_state, sft_batch, s
 
 from rllm_skyrl.update.workers import SkyRLWorkers
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
 
 @pytest.fixture(scope="module")
