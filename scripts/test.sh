@@ -6,8 +6,7 @@
 # install it (scripts/install_rllm.sh). RLLM_SKYRL_RLLM_INSTALL=full or =no-deps picks either.
 # CI fails when rLLM's tests would skip.
 # Slow tests (long learning curves, the realistic SmolLM2 runs) are opt-in locally with
-# RLLM_SKYRL_SLOW=1, and always run in CI (CI=true), which has the time for them. Runs past CI's
-# budget (marked long) run only with RLLM_SKYRL_LONG=1.
+# RLLM_SKYRL_SLOW=1, and always run in CI (CI=true), which has the time for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rllm_install="${RLLM_SKYRL_RLLM_INSTALL:-$([ "${CI:-}" = "true" ] && echo full || echo no-deps)}"
@@ -33,7 +32,6 @@ case "$rllm_install" in
 esac
 marker="not slow"
 if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; fi
-if [ "${RLLM_SKYRL_LONG:-0}" != "1" ]; then marker="${marker:+$marker and }not long"; fi
 # CI lists its 25 longest tests on every run, so the suite's cost stays in view.
 durations=()
 if [ "${CI:-}" = "true" ]; then durations=(--durations=25); fi

@@ -16,6 +16,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # rLLM's DatasetRegistry reads RLLM_HOME when rllm.data is first imported: a scratch one per run.
 os.environ.setdefault("RLLM_HOME", tempfile.mkdtemp(prefix="rllm_home_"))
 
+PARTLY_TAUGHT_STEPS = 20
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> str:
@@ -30,6 +32,17 @@ def tied_tiny_model_dir() -> str:
     from rllm_skyrl.tiny_model import TinyModelConfig, build_tiny_model
 
     return str(build_tiny_model(TinyModelConfig(tie_word_embeddings=True)))
+
+
+@pytest.fixture(scope="session")
+def partly_taught_model(tmp_path_factory) -> str:
+    """The tiny model after 20 of the distillation teacher's 100 cross-entropy steps on the ten digit
+    questions: it samples the right digit ~13% of the time (reward ~0.1), and RL at lr 3e-3 takes it
+    past 0.8 in ~30 steps, where the random model needs ~130 at 1e-3 (bench/README.md: 'The test
+    suite'). The learning tests start here: the same proof, a quarter of the steps."""
+    from examples.distill.teacher import train_teacher
+
+    return str(train_teacher(tmp_path_factory.mktemp("partly_taught") / "model", steps=PARTLY_TAUGHT_STEPS))
 
 
 @pytest.fixture(scope="session")

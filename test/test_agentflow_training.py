@@ -1,13 +1,12 @@
 """Training an AgentFlow + Evaluator under rLLM's trainer, its calls through rLLM's model gateway.
 
-``learning_run`` (slow, one per module): the digit task as ``examples/simple_math/flow.py`` through
-``AgentTrainer(backend="skyrl", agent_flow=..., evaluator=...)`` with the workflow test's settings
-(``test_rllm_conformance.test_on_policy_learns_the_digit_task``); several checks read it. The whole
-curve (170 steps, ~87,000 rollouts through the gateway) is marked ``long``: a 512-flow step costs
-~15 s on 2 cores at load ~4 (rLLM's per-rollout session, flush and trace calls; bench/README.md: 'An
-AgentFlow step through rLLM's model gateway'), ~45 min in all, past CI's budget. Otherwise the run
-is ``SHORT_STEPS`` steps, enough for the token, logprob-gap and sync checks. The fully-async run
-(~2 min) trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with ``hooks=``.
+``learning_run`` (one per module): the digit task as ``examples/simple_math/flow.py`` through
+``AgentTrainer(backend="skyrl", agent_flow=..., evaluator=...)``, from ``partly_taught_model`` like
+the workflow curves, with groups of 16: a flow costs several times a workflow rollout on two cores
+(rLLM's per-rollout session, flush and trace calls; bench/README.md: 'An AgentFlow step through
+rLLM's model gateway'), so a step holds half the quickstart's rollouts. Several checks read the one
+curve. The fully-async run trains the same flow through ``UnifiedTrainer(backend_cls=...)`` with
+``hooks=``.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from rllm_harness import (
     RecordingBackend,
     digit_rows,
     last_mean,
+    learning_digits,
     requires_rllm,
     rllm_config,
     syncs_by_hook,
@@ -29,8 +29,7 @@ from rllm_skyrl.run.metrics_file import read_metrics
 pytestmark = [requires_rllm, pytest.mark.slow]
 
 LEARNING = [
-    *DIGITS,
-    "training.group_size=32",
+    "training.group_size=16",
     "data.train_batch_size=16",
     "rllm.trainer.test_freq=0",
     "rllm.trainer.val_before_train=false",
@@ -39,24 +38,19 @@ LEARNING = [
     "inference.max_batch_size=512",
 ]
 GAP = "train/logprob_abs_diff/mean"  # trainer vs rollout logprobs, as for workflows
-
-
-LONG_STEPS, SHORT_STEPS = 170, 6
-
-
-def long_selected(request) -> bool:
-    return "not long" not in (request.config.getoption("markexpr") or "")
+STEPS = 50
 
 
 @pytest.fixture(scope="module")
-def learning_run(tmp_path_factory, request):
+def learning_run(tmp_path_factory, partly_taught_model):
     from rllm.trainer import AgentTrainer
 
     from examples.simple_math.flow import digit_evaluator, digit_flow
 
     tmp_path = tmp_path_factory.mktemp("agentflow")
-    steps = LONG_STEPS if long_selected(request) else SHORT_STEPS
-    cfg = rllm_config(tmp_path, *LEARNING, f"rllm.trainer.total_batches={steps}")
+    cfg = rllm_config(
+        tmp_path, *learning_digits(partly_taught_model), *LEARNING, f"rllm.trainer.total_batches={STEPS}"
+    )
     rllm_plugin.register()
     RecordingBackend.instances.clear()
     try:
@@ -75,10 +69,11 @@ def learning_run(tmp_path_factory, request):
     return backend, records
 
 
-@pytest.mark.long
 @pytest.mark.timeout(3600)
 def test_an_agent_flow_learns_the_digit_task_through_the_gateway(learning_run):
     _, records = learning_run
+    print("\nreward per step:", " ".join(f"{r['reward/mean']:.2f}" for r in records))
+    assert len(records) == STEPS
     assert last_mean(records[:10], "reward/mean") <= 0.3
     assert last_mean(records, "reward/mean") >= 0.8
 

@@ -333,7 +333,9 @@ UNVERIFIED_SKYRL_RUN = """
 """
 
 
-def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict, list[dict], str]:
+def quickstart_on_an_unverified_skyrl(
+    tmp_path: Path, steps: int, *overrides: str
+) -> tuple[dict, list[dict], str]:
     """The quickstart, with the installed SkyRL pretending to be a version no set was verified on."""
     import json
     import os
@@ -350,6 +352,7 @@ def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict,
             f"rllm.trainer.total_batches={steps}",
             "rllm.trainer.test_freq=0",
             f"hydra.run.dir={run_dir}",
+            *overrides,
         ],
         capture_output=True,
         text=True,
@@ -363,14 +366,18 @@ def quickstart_on_an_unverified_skyrl(tmp_path: Path, steps: int) -> tuple[dict,
 
 
 SKIPPED_ON_ANOTHER_SKYRL = ("lazy_imports", "registries", "response_logits")
-LEARNING_STEPS = 150
+LEARNING_STEPS = 45
 
 
 @pytest.fixture(scope="module")
-def unverified_skyrl_run(tmp_path_factory, slow_selected):
-    """One quickstart on the pretended SkyRL: 3 steps, or long enough to learn when the slow test runs."""
-    steps = LEARNING_STEPS if slow_selected else 3
-    return quickstart_on_an_unverified_skyrl(tmp_path_factory.mktemp("unverified"), steps=steps)
+def unverified_skyrl_run(tmp_path_factory, partly_taught_model):
+    """One quickstart on the pretended SkyRL, long enough to learn from ``partly_taught_model``."""
+    return quickstart_on_an_unverified_skyrl(
+        tmp_path_factory.mktemp("unverified"),
+        LEARNING_STEPS,
+        f"model.path={partly_taught_model}",
+        "training.learning_rate=3e-3",
+    )
 
 
 @pytest.mark.slow
@@ -390,5 +397,6 @@ def test_a_run_on_an_unverified_skyrl_trains_without_the_speed_sets(unverified_s
 def test_the_quickstart_learns_on_an_unverified_skyrl(unverified_skyrl_run):
     _, records, _ = unverified_skyrl_run
     rewards = [r["reward/mean"] for r in records]
+    print("\nreward per step:", " ".join(f"{r:.2f}" for r in rewards))
     assert len(rewards) == LEARNING_STEPS
     assert sum(rewards[:10]) / 10 <= 0.3 and sum(rewards[-10:]) / 10 >= 0.8, rewards

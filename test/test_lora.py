@@ -381,7 +381,8 @@ def test_export_writes_the_adapter_and_on_request_a_merged_model(trained, tiny_m
 # ---------------------------------------------------------------------------- checkpoint and resume
 
 
-@pytest.mark.slow  # two LoRA runs and a resume: about a minute; the full-weight resume is test_checkpoint_resume.py
+# Two LoRA runs and a resume, about a minute; the full-weight resume is in test_checkpoint_resume.py.
+@pytest.mark.slow
 def test_a_lora_run_resumes_exactly(tmp_path):
     """4 LoRA steps straight, against 2 steps resumed from the straight run's step-2 checkpoint."""
     common = [
