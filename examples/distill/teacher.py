@@ -3,8 +3,8 @@ fine-tuning, saved as an HF model directory the CPU inference server serves.
 
 ``python -m examples.distill.teacher OUT_DIR [STEPS]``. The teacher is this example's fixture, not
 what it demonstrates, so it is trained the quickest way: a plain cross-entropy loop over the ten
-question/answer pairs, a few seconds on one core. The student then starts from the same random
-tiny model the teacher started from.
+question/answer pairs, a few seconds on one core. The same loop stopped after 20 steps is the
+student's start (``train.sh``): it samples the right digit ~13% of the time.
 """
 
 from __future__ import annotations
