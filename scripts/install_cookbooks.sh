@@ -3,7 +3,9 @@
 # dependencies its pyproject.toml declares, plus rLLM's `rewards` extra (sympy, pylatexenc), which the
 # math cookbooks' graders import. rLLM must already be installed from its source (scripts/install_rllm.sh).
 #
-#   scripts/install_cookbooks.sh math solver_judge_flow math_tool_agent frozenlake
+#   scripts/install_cookbooks.sh math solver_judge_flow math_tool_agent frozenlake 'agent_frameworks[langgraph]'
+#
+# A cookbook's optional extras go in brackets after its name, as pip takes them.
 #
 # Safe to run again: uv finds everything in place and installs nothing.
 set -euo pipefail
@@ -23,8 +25,9 @@ UV="$(command -v uv || echo "$VENV/bin/uv")"
 
 targets=(-e ".[rewards]")
 for name in "$@"; do
-  [ -f "$RLLM_DIR/cookbooks/$name/pyproject.toml" ] \
-    || { echo "error: $RLLM_DIR/cookbooks/$name is not a cookbook (no pyproject.toml)" >&2; exit 2; }
+  folder="${name%%\[*}"
+  [ -f "$RLLM_DIR/cookbooks/$folder/pyproject.toml" ] \
+    || { echo "error: $RLLM_DIR/cookbooks/$folder is not a cookbook (no pyproject.toml)" >&2; exit 2; }
   targets+=(-e "cookbooks/$name")
 done
 (cd "$RLLM_DIR" && "$UV" pip install --quiet --python "$VENV/bin/python" --override "$OVERRIDES" -e "$ROOT[dev]" "${targets[@]}")

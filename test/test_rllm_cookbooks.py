@@ -25,7 +25,9 @@ from rllm_harness import requires_rllm
 
 pytestmark = requires_rllm
 
-COOKBOOKS = ("math", "solver_judge_flow", "math_tool_agent", "frozenlake")
+COOKBOOKS = ("math", "solver_judge_flow", "math_tool_agent", "frozenlake", "agent_frameworks")
+# What each is installed with: agent_frameworks's default agent is its LangGraph flow.
+EXTRAS = {"agent_frameworks": "[langgraph]"}
 SIZES = [
     "training.group_size=2",
     "data.train_batch_size=2",
@@ -49,7 +51,8 @@ def cookbook_dir(name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def installed() -> None:
-    subprocess.run([str(REPO / "scripts/install_cookbooks.sh"), *COOKBOOKS], check=True, timeout=900)
+    names = [name + EXTRAS.get(name, "") for name in COOKBOOKS]
+    subprocess.run([str(REPO / "scripts/install_cookbooks.sh"), *names], check=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +127,10 @@ DATASETS = {
     "frozenlake": lambda: [
         ("frozenlake", "train", frozenlake_rows(TRAIN_ROWS, 0)),
         ("frozenlake", "test", frozenlake_rows(TEST_ROWS, 100)),
+    ],
+    "agent_frameworks": lambda: [
+        ("deepscaler_math", "train", math_rows(TRAIN_ROWS, 0, "deepscaler_math")),
+        ("math500", "test", math_rows(TEST_ROWS, 1, "math500")),
     ],
 }
 
