@@ -8,7 +8,11 @@ median step wall time (between consecutive records of ``metrics.jsonl``, after `
 the wall time from the first step's start to the first 10-step mean reward >= 0.8 (or "not
 reached"), then the step ratio agentflow / workflow.
 
-    python -m bench.bench_agentflow [--steps 150] [--warmup 2]
+    python -m bench.bench_agentflow [--steps 150] [--warmup 2] [OVERRIDE ...]
+
+Hydra overrides after the options go to both sides, e.g. a partly taught start (the distillation
+teacher's recipe stopped early, ``python -m examples.distill.teacher DIR 20``) with
+``model.name=DIR training.learning_rate=3e-3 training.group_size=16``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ TARGET = 0.8
 WINDOW = 10
 
 
-def run_side(name: str, steps: int, tmp: Path, timeout: float) -> Side:
+def run_side(name: str, steps: int, tmp: Path, timeout: float, overrides: list[str]) -> Side:
     run_dir = tmp / name
     command = [
         "bash",
@@ -41,6 +45,7 @@ def run_side(name: str, steps: int, tmp: Path, timeout: float) -> Side:
         f"hydra.run.dir={run_dir}",
         f"rllm.trainer.run_dir={run_dir}",
         f"training.default_local_dir={run_dir}/ckpt",  # not the example's: another run may hold that
+        *overrides,
     ]
     records = run_dir / "metrics.jsonl"
     side = follow(Side(name), command, records, cwd=ROOT, env=dict(os.environ), timeout=timeout)
@@ -66,11 +71,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per side")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides")
     args = parser.parse_args()
     steps = {}
     with tempfile.TemporaryDirectory(prefix="bench_agentflow_") as tmp:
         for name in SIDES:
-            side = run_side(name, args.steps, Path(tmp), args.timeout)
+            side = run_side(name, args.steps, Path(tmp), args.timeout, args.overrides)
             step, to_target = summary(side, args.warmup)
             steps[name] = step
             rewards = side.rewards()
