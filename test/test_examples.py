@@ -123,6 +123,29 @@ def test_distill_script_serves_a_teacher_and_the_student_learns(tmp_path, monkey
     assert statistics.mean(kl[-10:]) < 0.5 * statistics.mean(kl[:10])
 
 
+@pytest.mark.slow
+def test_distill_script_takes_a_teacher_with_a_tokenizer_of_its_own(tmp_path, monkeypatch):
+    """``teacher.shared_tokenizer=false``: rLLM re-renders each answer for the teacher's tokenizer and
+    aligns its logprobs to the student's tokens; every student token is still scored."""
+    from transformers import AutoTokenizer
+
+    from examples.distill.teacher import train_teacher
+    from rllm_skyrl.tiny_model import TinyModelConfig, build_tiny_model
+
+    teacher = train_teacher(tmp_path / "teacher", shape=TinyModelConfig(vocab_size=384))
+    student, other = (AutoTokenizer.from_pretrained(d) for d in (build_tiny_model(), teacher))
+    text = student.decode([len(student) - 1])  # a merge the smaller vocabulary lacks
+    assert len(student.encode(text)) == 1 < len(other.encode(text))
+    monkeypatch.setenv("TEACHER_DIR", str(teacher))
+    monkeypatch.setenv("STUDENT_DIR", str(tmp_path / "student"))
+    overrides = ["teacher.shared_tokenizer=false", "rllm.trainer.total_batches=2", "training.group_size=2"]
+    records, _ = run_example(["bash", "examples/distill/train.sh", *overrides], tmp_path / "run", timeout=900)
+    train = [r for r in records if "progress/batch" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(16 * 2 <= r["distill/tokens"] <= 16 * 2 * 2 for r in train)
+    assert all(0 < r["distill/reverse_kl"] < 50 for r in train)
+
+
 @pytest.mark.slow  # a whole SFT run (SkyRL's SFT trainer) before the RL steps
 def test_sft_script_fine_tunes_then_runs_rl_from_the_export(tmp_path):
     """examples/sft/train.sh, shortened: rLLM's AgentSFTTrainer on SkyRL, then AgentTrainer GRPO."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from examples.simple_math.task import reward_fn
-from rllm_skyrl.tiny_model import build_tiny_model
+from rllm_skyrl.tiny_model import TinyModelConfig, build_tiny_model
 
 
 def digit_pairs(tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -30,11 +30,18 @@ def digit_pairs(tokenizer) -> list[tuple[list[int], list[int]]]:
     return pairs
 
 
-def train_teacher(out_dir: str | Path, steps: int = 100, lr: float = 3e-3, seed: int = 0) -> Path:
-    """Fine-tune the tiny model on the ten pairs and save it (with its tokenizer) to ``out_dir``."""
+def train_teacher(
+    out_dir: str | Path,
+    steps: int = 100,
+    lr: float = 3e-3,
+    seed: int = 0,
+    shape: TinyModelConfig | None = None,
+) -> Path:
+    """Fine-tune the tiny model (of ``shape``; another vocabulary size gives a teacher with its own
+    tokenizer) on the ten pairs and save it, with its tokenizer, to ``out_dir``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = build_tiny_model()
+    base = build_tiny_model(shape)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)

@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         workflow_args={
             "reward_function": digit_reward,
             "teacher_engine": teacher_engine(cfg),
-            "shared_tokenizer": True,
+            "shared_tokenizer": cfg.teacher.shared_tokenizer,
             "clip_min": None if clip is None else -clip,
             "clip_max": clip,
         },
