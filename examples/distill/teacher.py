@@ -45,6 +45,7 @@ def train_teacher(
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     torch.manual_seed(seed)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small only loses time to threads contending
     pairs = digit_pairs(tokenizer)
     width = max(len(p) + len(a) for p, a in pairs)
@@ -58,11 +59,14 @@ def train_teacher(
         mask[row, : len(sequence)] = 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)  # as the caller had it (a test session goes on)
     model.eval()
     out = Path(out_dir)
     model.save_pretrained(out)
