@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import partly_taught
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 
@@ -36,9 +37,8 @@ DIGITS = [
 
 
 def learning_digits(start_model: str) -> list[str]:
-    """``DIGITS`` for a learning curve: from ``conftest.partly_taught_model`` at lr 3e-3, which passes
-    a reward of 0.8 in ~30 steps (the random model at 1e-3 needs ~130)."""
-    return [*DIGITS, f"model.name={start_model}", "training.learning_rate=3e-3"]
+    """``DIGITS`` for a learning curve, from ``conftest.partly_taught_model`` (``helpers.partly_taught``)."""
+    return [*DIGITS, *partly_taught(start_model, model_key="model.name")]
 
 
 def rllm_config(tmp_path: Path, *overrides: str) -> DictConfig:

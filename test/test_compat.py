@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import run_python
+from helpers import partly_taught, run_python
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import (
@@ -375,8 +375,7 @@ def unverified_skyrl_run(tmp_path_factory, partly_taught_model):
     return quickstart_on_an_unverified_skyrl(
         tmp_path_factory.mktemp("unverified"),
         LEARNING_STEPS,
-        f"model.path={partly_taught_model}",
-        "training.learning_rate=3e-3",
+        *partly_taught(partly_taught_model),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from helpers import compose_example, run_dirs
+from helpers import compose_example, partly_taught, run_dirs
 
 from examples.simple_math.task import digit_reward, make_rows
 from rllm_skyrl.run.metrics_file import read_metrics
@@ -24,8 +24,7 @@ def test_ppo_with_critic_learns_and_the_critic_fits(tmp_path, partly_taught_mode
     cfg = compose_example(
         "simple_math",
         *run_dirs(tmp_path),
-        f"model.path={partly_taught_model}",  # see conftest.partly_taught_model
-        "training.learning_rate=3e-3",
+        *partly_taught(partly_taught_model),
         f"rllm.trainer.total_batches={STEPS}",
         "rllm.trainer.test_freq=0",
         "rllm.algorithm.adv_estimator=gae",
