@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-from rllm.parser import ChatTemplateParser
-from rllm.trainer.sft.backend import SFTConfigError
+from rllm_harness import RLLM_MISSING
 
-from rllm_skyrl.sft.data import check_rows, tokens_and_mask, write_pretokenized
+pytest.importorskip("rllm", reason=RLLM_MISSING)  # rLLM's SFT types are the subject
+
+from rllm.parser import ChatTemplateParser  # noqa: E402
+from rllm.trainer.sft.backend import SFTConfigError  # noqa: E402
+
+from rllm_skyrl.sft.data import check_rows, tokens_and_mask, write_pretokenized  # noqa: E402
 
 TWO_TURNS = [
     {"role": "user", "content": "what is 1?"},
