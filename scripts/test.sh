@@ -35,8 +35,11 @@ if [ "${RLLM_SKYRL_SLOW:-0}" = "1" ] || [ "${CI:-}" = "true" ]; then marker=""; 
 # CI lists its 25 longest tests on every run, so the suite's cost stays in view.
 durations=()
 if [ "${CI:-}" = "true" ]; then durations=(--durations=25); fi
+# Two test processes, a module at a time each (test/conftest.py: 'two test processes');
+# RLLM_SKYRL_TEST_PROCESSES=0 runs the suite in this one.
+processes=(-n "${RLLM_SKYRL_TEST_PROCESSES:-2}" --dist loadfile)
 set +e
-python -m pytest -m "$marker" "${durations[@]}" "$@"
+python -m pytest -m "$marker" "${processes[@]}" "${durations[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -96,6 +96,53 @@ def digits_runs(tmp_path_factory):
     return shared_digits_runs(tmp_path_factory.mktemp("digits_runs"))
 
 
+# --------------------------------------------------------------------------- two test processes
+# scripts/test.sh runs the suite in two pytest-xdist processes. Most of a training run's start-up
+# (imports, Ray, worker and server processes) keeps one core busy, so two modules at a time keep
+# both of this machine's cores working (bench/README.md: 'The test suite').
+# A module runs whole in one process, so its module fixtures (one run, one Ray) stay shared. Modules
+# that read one session-scoped run are scheduled as one unit, so the run is made once:
+SHARED_SESSION_RUNS = {
+    "digits_runs": ("test/test_checkpoint_resume.py", "test/test_validation_metrics.py"),
+}
+_UNIT_OF_MODULE = {module: run for run, modules in SHARED_SESSION_RUNS.items() for module in modules}
+
+
+def _module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Modules (or the groups above) as units of work, dealt in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module_of(nodeid)
+            return _UNIT_OF_MODULE.get(module, module)
+
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems chose
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with slow tests first, so the short modules fill the other process's gaps at the
+    end instead of one long module running alone; and every user of a shared run in the table."""
+    for item in items:
+        for run in SHARED_SESSION_RUNS:
+            if (
+                run in getattr(item, "fixturenames", ())
+                and _UNIT_OF_MODULE.get(_module_of(item.nodeid)) != run
+            ):
+                raise pytest.UsageError(
+                    f"{item.nodeid} uses the session run {run!r}: add its module to SHARED_SESSION_RUNS "
+                    "in test/conftest.py, so both test processes do not each make the run"
+                )
+    slow_modules = {_module_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _module_of(item.nodeid) not in slow_modules)
+
+
 # --------------------------------------------------------------------------- skips in CI
 # A CI run (CI=true) must run every test family; only these skips are expected there, each for a
 # reason that no CPU machine can change. Any other skip fails the run, naming the test.
@@ -104,13 +151,15 @@ _skipped: list[tuple[str, str]] = []
 
 
 def pytest_runtest_logreport(report):
-    if report.skipped and isinstance(report.longrepr, tuple):
+    # A report from a test process arrives with its (path, line, reason) as a list.
+    if report.skipped and isinstance(report.longrepr, (tuple, list)):
         reason = str(report.longrepr[2]).removeprefix("Skipped: ")
         _skipped.append((report.nodeid, reason))
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("CI") != "true":
+    # Only the controlling process sees every test's report.
+    if os.environ.get("CI") != "true" or hasattr(session.config, "workerinput"):
         return
     unexpected = [(test, why) for test, why in _skipped if not why.startswith(ALLOWED_SKIPS_IN_CI)]
     if unexpected:
