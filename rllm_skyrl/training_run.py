@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from rllm_skyrl import rllm_names
+
+if TYPE_CHECKING:
+    from rllm_skyrl.secret_masking import SecretMasker
 
 
 def train(
@@ -38,11 +41,18 @@ def train(
     ``hooks``, ``traj_group_adv_estimator_map``, ``store``...).
     """
     from rllm_skyrl.compat import local_ray
+    from rllm_skyrl.compat.output_masking import mask_process_output
+    from rllm_skyrl.run.exits import one_line_errors
+    from rllm_skyrl.run_config import check_settings
 
+    masker = mask_process_output(_plain(config))  # first: an error below may quote a secret
+    with one_line_errors():
+        check_settings(config)  # a wrong value costs no start-up: nothing has started yet
     local = local_ray.launch_for_cpu_run()  # on a CPU machine: Ray in its own process, beside our imports
     try:
         return _train(
             config,
+            masker,
             workflow_class,
             workflow_args,
             train_dataset,
@@ -80,6 +90,7 @@ def _plain(config: DictConfig) -> Any:
 
 def _train(
     config: DictConfig,
+    masker: SecretMasker,
     workflow_class: str | type | None,
     workflow_args: dict[str, Any] | None,
     train_dataset: Any,
@@ -90,10 +101,8 @@ def _train(
     trainer_kwargs: dict[str, Any],
 ) -> Path:
     from rllm_skyrl import compat
-    from rllm_skyrl.compat.output_masking import mask_process_output
     from rllm_skyrl.secret_masking import scrub_hydra_outputs
 
-    masker = mask_process_output(_plain(config))
     scrub_hydra_outputs(masker)
     compat.prepare_imports()  # before the backend's and the trainer's imports (see each set)
     from rllm_skyrl.backend import SkyRLBackend

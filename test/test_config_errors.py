@@ -110,6 +110,10 @@ RUNNER = textwrap.dedent(
     """
     import io, json, sys
     from contextlib import redirect_stderr
+    from rllm_skyrl.compat import local_ray
+    launches = []  # a local Ray launched for the run, even if stopped again at the refusal
+    launch = local_ray.launch
+    local_ray.launch = lambda *args, **kwargs: launches.append(args) or launch(*args, **kwargs)
     module = __import__(sys.argv[1], fromlist=["main"])
     overrides, base = json.loads(sys.argv[2]), json.loads(sys.argv[3])
     results = []
@@ -124,7 +128,7 @@ RUNNER = textwrap.dedent(
                 code = stop.code
         results.append({"override": override, "code": code, "stderr": err.getvalue()})
     import ray
-    print(json.dumps({"results": results, "ray_started": ray.is_initialized()}))
+    print(json.dumps({"results": results, "ray_started": ray.is_initialized() or bool(launches)}))
     """
 )
 

@@ -13,6 +13,7 @@ import textwrap
 import psutil
 import pytest
 from helpers import run_python, wait_until
+from omegaconf import OmegaConf
 
 from rllm_skyrl import compat
 from rllm_skyrl.compat import local_ray, sigterm
@@ -189,14 +190,15 @@ def test_a_run_stops_only_the_ray_it_launched(monkeypatch):
             self.stopped = True
 
     theirs, ours = Launched(), Launched()
+    config = OmegaConf.create({"rllm": {"rollout": {"n": 2}}})  # passes the checks made before any start
     monkeypatch.setattr(local_ray, "_launched", theirs)
     monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: None)  # Ray is up: nothing launched
     monkeypatch.setattr(training_run, "_train", lambda *args: "run dir")
-    assert training_run.train(None, "Workflow") == "run dir"
+    assert training_run.train(config, "Workflow") == "run dir"
     assert not theirs.stopped
 
     monkeypatch.setattr(local_ray, "launch_for_cpu_run", lambda: ours)
-    training_run.train(None, "Workflow")
+    training_run.train(config, "Workflow")
     assert ours.stopped and not theirs.stopped
     assert local_ray.launched() is theirs
     for launched in (theirs, ours):

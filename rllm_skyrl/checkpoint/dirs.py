@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rllm_skyrl.errors import UserFacingError
-from rllm_skyrl.run_config.resolve import RESUME_MODES
+from rllm_skyrl.run_config.values import RESUME_MODES
 
 logger = logging.getLogger(__name__)
 

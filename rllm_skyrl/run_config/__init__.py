@@ -22,7 +22,7 @@ the command line, a yaml file or a dict, and resolving never changes the config 
 from rllm_skyrl.run_config.aliases import trainer_keys_behind, with_aliases
 from rllm_skyrl.run_config.bridge import BRIDGE, skyrl_overrides
 from rllm_skyrl.run_config.lora import LoraSettings
-from rllm_skyrl.run_config.resolve import resolve_run_config, roles_for
+from rllm_skyrl.run_config.resolve import check_settings, resolve_run_config, roles_for
 from rllm_skyrl.run_config.settings import (
     CheckpointSettings,
     ConfigError,
@@ -33,6 +33,7 @@ from rllm_skyrl.run_config.skyrl import make_skyrl_config
 
 __all__ = [
     "BRIDGE",
+    "check_settings",
     "CheckpointSettings",
     "ConfigError",
     "InferenceSettings",

@@ -27,7 +27,6 @@ from rllm_skyrl.run_config.skyrl import make_skyrl_config
 from rllm_skyrl.run_config.tree import select
 from rllm_skyrl.run_config.values import check_values
 
-RESUME_MODES = ("auto", "disable", "resume_path")  # ``training.resume_mode``
 _POLICY_PATH = "trainer.policy.model.path"
 
 
@@ -38,10 +37,7 @@ def resolve_run_config(
     ``resolve_models=False`` keeps model names as given (``rllm-skyrl plan`` describes a cluster
     whose model may not be on this machine)."""
     platform = platform or Platform.detect()
-    with _config_errors():
-        cfg = with_aliases(cfg)
-        check_values(cfg)
-        algorithm = resolve_algorithm(cfg)
+    cfg, algorithm = _checked_settings(cfg)
     overrides, model_path, lora = _skyrl_keys(cfg, platform, resolve_models)
     skyrl_cfg = _skyrl_config(overrides, platform)
     async_training, async_chunks = _async_training(cfg, skyrl_cfg)
@@ -71,6 +67,30 @@ def resolve_run_config(
     )
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """The checks that need neither SkyRL nor a model: a run makes them before it starts anything
+    (its Ray included), so a wrong value costs no start-up. ``resolve_run_config`` makes them again."""
+    cfg, _ = _checked_settings(cfg)
+    with _config_errors():
+        _check_model_paths(cfg)
+
+
+def _checked_settings(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+    """The config with its aliases applied, its values checked, and its algorithm."""
+    with _config_errors():
+        cfg = with_aliases(cfg)
+        check_values(cfg)
+        return cfg, resolve_algorithm(cfg)
+
+
+def _check_model_paths(cfg: DictConfig) -> None:
+    """The trained models are directories here, hub ids or built-in names (the user's key named)."""
+    for source, role in (("model.path", "policy"), ("model.critic_path", "critic")):
+        skyrl_key = f"skyrl.trainer.{role}.model.path"
+        key = source if select(cfg, source) is not None else skyrl_key
+        check_model_path(key, select(cfg, key))
+
+
 @contextmanager
 def _config_errors() -> Iterator[None]:
     """The checks below raise ``ValueError`` with the whole message; the run sees ``ConfigError``."""
@@ -93,10 +113,7 @@ def _skyrl_keys(
                 "model.path is not set; pass model.path=<HF model dir> (or model.name=..., tiny, smollm2)"
             )
         if resolve_models:
-            for source, role in (("model.path", "policy"), ("model.critic_path", "critic")):
-                skyrl_key = f"skyrl.trainer.{role}.model.path"
-                key = source if select(cfg, source) is not None else skyrl_key
-                check_model_path(key, select(cfg, key))
+            _check_model_paths(cfg)
             for role in ("policy", "ref", "critic"):
                 key = f"trainer.{role}.model.path"
                 if overrides.get(key):
@@ -176,9 +193,7 @@ def _rendering(cfg: DictConfig) -> RolloutSettings:
 
 def _checkpoint(cfg: DictConfig, skyrl_cfg: Any) -> CheckpointSettings:
     """Where checkpoints go (SkyRL's ``ckpt_path``, which follows ``training.default_local_dir``)."""
-    resume_mode = select(cfg, "training.resume_mode", "auto")
-    if resume_mode not in RESUME_MODES:
-        raise ConfigError(f"training.resume_mode={resume_mode!r}: choose one of {RESUME_MODES}")
+    resume_mode = select(cfg, "training.resume_mode", "auto")  # one of RESUME_MODES (check_values)
     resume_from_path = select(cfg, "training.resume_from_path")
     if resume_mode == "resume_path" and not resume_from_path:
         raise ConfigError(

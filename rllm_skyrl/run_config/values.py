@@ -85,6 +85,8 @@ _STEPWISE = (
     "deprecates per_step)"
 )
 
+RESUME_MODES = ("auto", "disable", "resume_path")  # ``training.resume_mode``
+
 RULES: tuple[Rule, ...] = (
     Rule("training.group_size", at_least(1), "an integer >= 1"),
     Rule("validation.group_size", at_least(1), "an integer >= 1"),
@@ -98,6 +100,7 @@ RULES: tuple[Rule, ...] = (
     Rule("training.update_epochs", at_least(1), "an integer >= 1"),
     Rule("training.max_ckpts_to_keep", lambda v: _int(v) and v != 0 and v >= -1, "-1 (keep all) or >= 1"),
     Rule("training.drop_malformed", boolean, "true or false"),
+    Rule("training.resume_mode", one_of(*RESUME_MODES), " or ".join(RESUME_MODES)),
     Rule("training.filter_zero_variance_groups", boolean, "true or false"),
     Rule("training.default_local_dir", text, "a directory path"),
     Rule(
