@@ -101,13 +101,20 @@ def clean_task_ids(stopped_by_sigterm) -> dict[int, list]:
 
 
 def _fail_then_resume(
-    tmp_path: Path, run_dir: Path, fault, expected: str, ckpt: Path, reference: dict, before_resume=None
+    tmp_path: Path,
+    run_dir: Path,
+    fault,
+    expected: str,
+    ckpt: Path,
+    reference: dict,
+    before_resume=None,
+    failing_overrides: tuple[str, ...] = (),
 ) -> None:
-    """Launch, let ``fault(process, run)`` strike, check the failure, resume and compare with a run
-    that never failed (``reference``: same data, same order)."""
+    """Launch (with ``failing_overrides`` too), let ``fault(process, run)`` strike, check the failure,
+    resume and compare with a run that never failed (``reference``: same data, same order)."""
     first = Run(run_dir, tmp_path / "first.out", tmp_path / "first.jsonl")
     env = train_env(run_dir)
-    process = launch(first, OVERRIDES, env)
+    process = launch(first, [*OVERRIDES, *failing_overrides], env)
     tree = fault(process, first)
     try:
         process.wait(timeout=300)
@@ -152,7 +159,17 @@ def test_inference_server_killed_mid_rollout(tmp_path, clean_task_ids):
         server.kill()
         return tree
 
-    _fail_then_resume(tmp_path, run_dir, kill_server, "inference server 0", ckpt, clean_task_ids)
+    # Each of rLLM's attempts at a rollout spends SkyRL's client's ~30 s of connection retries on the
+    # dead server; one attempt shows the same failure as its default three.
+    _fail_then_resume(
+        tmp_path,
+        run_dir,
+        kill_server,
+        "inference server 0",
+        ckpt,
+        clean_task_ids,
+        failing_overrides=("rllm.workflow.retry_limit=1",),
+    )
 
 
 @pytest.mark.timeout(1800)
