@@ -97,9 +97,9 @@ def digits_runs(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- two test processes
-# scripts/test.sh runs the suite in two pytest-xdist processes. Most of a training run's start-up
-# (imports, Ray, worker and server processes) keeps one core busy, so two modules at a time keep
-# both of this machine's cores working (bench/README.md: 'The test suite').
+# scripts/test.sh runs the suite in two pytest-xdist processes. The default suite's modules wait on
+# servers and subprocesses, and two at a time finish it 1.36x sooner; the training runs of the slow
+# tests are bound by the cores' work, and gain little (bench/README.md: 'The test suite').
 # A module runs whole in one process, so its module fixtures (one run, one Ray) stay shared. Modules
 # that read one session-scoped run are scheduled as one unit, so the run is made once:
 SHARED_SESSION_RUNS = {
