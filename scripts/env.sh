@@ -28,7 +28,17 @@ stamp_of() {
   cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -d' ' -f1
 }
 
-# scripts/install_rllm.sh takes the two functions above and does its own installing.
+# Byte-code for the modules a run imports, written once at install. Python writes it on first import
+# unless PYTHONDONTWRITEBYTECODE is set (many machines and container images set it): then every
+# process compiles torch, transformers and the rest from source again, and a run's start-up takes
+# 2-3x as long (bench/README.md: 'Start-up'). pip compiles what it installs into site-packages, uv
+# with --compile-bytecode; this does the editable sources. A file that fails to compile is one no run
+# imports (some packages ship Python-2 test data), so failures are not errors here.
+compile_bytecode() {
+  "$VENV/bin/python" -m compileall -qq -j 0 "$@" >/dev/null 2>&1 || true
+}
+
+# scripts/install_rllm.sh takes the functions above and does its own installing.
 if [ "${RLLM_SKYRL_ENV_FUNCTIONS_ONLY:-0}" = "1" ]; then return 0; fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -51,6 +61,7 @@ if [ "$(cat "$STAMP_FILE" 2>/dev/null)" != "$(stamp_of)" ]; then
   # torch first and exactly pinned, so nothing later pulls a different build.
   "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT[dev]"
+  compile_bytecode "$ROOT/rllm_skyrl" "$ROOT/examples"
   # rLLM (installed for the tests, see below) comes without its dependencies on purpose.
   broken="$("$VENV/bin/python" -m pip check 2>&1 | grep -v -e '^rllm ' -e '^No broken requirements' || true)"
   if [ -n "$broken" ]; then echo "$broken" >&2; exit 1; fi
@@ -85,5 +96,6 @@ install_vendored_rllm() {
   tar xzf "$tarball" -C "$src"
   "$VENV/bin/python" -m pip install --quiet --no-deps -e "$src/rllm"
   "$VENV/bin/python" -m pip install --quiet codetiming
+  compile_bytecode "$src"
   echo "$stamp" > "$stamp_file"
 }

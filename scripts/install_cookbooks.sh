@@ -30,4 +30,5 @@ for name in "$@"; do
     || { echo "error: $RLLM_DIR/cookbooks/$folder is not a cookbook (no pyproject.toml)" >&2; exit 2; }
   targets+=(-e "cookbooks/$name")
 done
-(cd "$RLLM_DIR" && "$UV" pip install --quiet --python "$VENV/bin/python" --override "$OVERRIDES" -e "$ROOT[dev]" "${targets[@]}")
+(cd "$RLLM_DIR" && "$UV" pip install --quiet --python "$VENV/bin/python" --compile-bytecode \
+  --override "$OVERRIDES" -e "$ROOT[dev]" "${targets[@]}")

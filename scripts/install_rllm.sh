@@ -80,7 +80,9 @@ echo "Installing rLLM from $RLLM_DIR with its dependencies into $VENV, overrides
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 # One resolution for both projects, run in rLLM's checkout as its install guide does, so that rLLM's
 # own uv settings apply as they do for its users (its overrides; rllm-model-gateway from the checkout).
-(cd "$RLLM_DIR" && "$UV" pip install --python "$VENV/bin/python" --override "$OVERRIDES" -e "$ROOT[dev]" -e .)
+(cd "$RLLM_DIR" && "$UV" pip install --python "$VENV/bin/python" --compile-bytecode --override "$OVERRIDES" \
+  -e "$ROOT[dev]" -e .)
+compile_bytecode "$RLLM_DIR" "$ROOT/rllm_skyrl" "$ROOT/examples"  # the editable sources (env.sh)
 
 # The overrides must leave exactly the conflicts they name, and rLLM's dependencies must import.
 "$VENV/bin/python" "$ROOT/build_backend/rllm_overrides.py" pip-check "$VENV/bin/python"

@@ -104,3 +104,44 @@ def test_every_package_folder_is_in_the_wheel():
         ".".join(init.parent.relative_to(REPO).parts) for init in (REPO / "rllm_skyrl").rglob("__init__.py")
     }
     assert folders - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+# Imports what a run's processes import at start-up, from the installed packages, and lists the
+# modules among them that have no current byte-code beside their source.
+UNCOMPILED = textwrap.dedent(
+    """
+    import importlib.util, json, os, sys, sysconfig
+    import ray, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+    from skyrl.train.utils.utils import prepare_runtime_environment
+    import rllm_skyrl.backend
+    installed = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    checked, missing = 0, []
+    for name, module in list(sys.modules.items()):
+        source = getattr(module, "__file__", None) or ""
+        if not source.endswith(".py") or not any(source.startswith(root) for root in installed):
+            continue
+        checked += 1
+        cached = importlib.util.cache_from_source(source)
+        if not os.path.exists(cached) or os.path.getmtime(cached) < os.path.getmtime(source):
+            missing.append(name)
+    print(json.dumps({"checked": checked, "missing": sorted(missing)}))
+    """
+)
+
+
+def test_installed_packages_come_with_their_byte_code():
+    """The set-up scripts compile what they install: where ``PYTHONDONTWRITEBYTECODE`` is set, Python
+    never writes byte-code itself, and each of a run's processes would compile torch, transformers
+    and the rest from source again (bench/README.md: 'Start-up')."""
+    result = subprocess.run(
+        [sys.executable, "-c", UNCOMPILED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        cwd="/",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["checked"] > 1000 and report["missing"] == [], report["missing"][:20]
