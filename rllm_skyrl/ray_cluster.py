@@ -15,6 +15,7 @@ from rllm_skyrl import compat
 from rllm_skyrl.compat import local_ray
 from rllm_skyrl.errors import UserFacingError
 from rllm_skyrl.hardware import Platform
+from rllm_skyrl.run.bytecode import warn_if_compiled_at_every_start
 from rllm_skyrl.secret_masking import is_secret_key
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ def start_ray(
     come first: with the ``registries`` set, SkyRL's built-in functions (registered when its modules
     are imported) must be registered locally before Ray is joined.
     """
+    warn_if_compiled_at_every_start()  # every run's processes start from here
     if ray.is_initialized():
         return False
     platform = platform or Platform.detect()

@@ -145,3 +145,27 @@ def test_installed_packages_come_with_their_byte_code():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["checked"] > 1000 and report["missing"] == [], report["missing"][:20]
+
+
+@pytest.mark.parametrize(
+    ("dont_write", "compiled", "warned"), [(True, False, True), (True, True, False), (False, False, False)]
+)
+def test_a_run_warns_when_its_processes_would_compile_the_libraries_again(
+    tmp_path, monkeypatch, caplog, dont_write, compiled, warned
+):
+    import py_compile
+
+    from rllm_skyrl.run.bytecode import warn_if_compiled_at_every_start
+
+    package = tmp_path / "bigpackage"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    if compiled:
+        py_compile.compile(str(package / "__init__.py"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", dont_write)
+    with caplog.at_level("WARNING"):
+        warn_if_compiled_at_every_start("bigpackage")
+    lines = [r.getMessage() for r in caplog.records]
+    assert ("compileall" in " ".join(lines)) == warned, lines
+    assert len(lines) == int(warned)
