@@ -13,8 +13,10 @@ import pytest
 os.environ.setdefault("RLLM_SKYRL_CACHE", str(Path(__file__).resolve().parent.parent / ".cache"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# rLLM's DatasetRegistry reads RLLM_HOME when rllm.data is first imported: a scratch one per run.
-os.environ.setdefault("RLLM_HOME", tempfile.mkdtemp(prefix="rllm_home_"))
+# rLLM's DatasetRegistry reads RLLM_HOME when rllm.data is first imported: a scratch one for each test
+# process (a worker would inherit the controlling process's), since modules register data sets under
+# the same names (countdown) and the two test processes may run such modules at the same time.
+os.environ["RLLM_HOME"] = tempfile.mkdtemp(prefix="rllm_home_")
 
 PARTLY_TAUGHT_STEPS = 20
 
