@@ -36,6 +36,16 @@ def has_nvidia_driver() -> bool:
     return any(os.path.exists(path) for path in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
 
 
+def cpu_threads(share: int = 1) -> int:
+    """Torch threads for each of ``share`` processes that split this process's cores: the cores it may
+    run on (taskset, a container's cpuset), not the machine's; at most ``OMP_NUM_THREADS`` where that
+    is set, the limit a user or a scheduler puts on each process's threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // share)
+    limit = os.environ.get("OMP_NUM_THREADS", "")
+    return min(threads, int(limit)) if limit.isdigit() and int(limit) > 0 else threads
+
+
 def flash_attn_installed() -> bool:
     """Whether the real flash-attn is installed (an import stub, having no file, does not count)."""
     module = sys.modules.get("flash_attn")

@@ -77,7 +77,8 @@ def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, wor
     through the runtime env."""
     from rllm_skyrl.ray_cluster import runtime_env_for
 
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = compose_unified("model.path=org/model", *overrides)
     run = resolve_run_config(cfg, platform=Platform(cuda=False), resolve_models=False)
     assert (run.inference.threads, run.cpu_threads) == (server_threads, worker_threads)
@@ -85,6 +86,27 @@ def test_cpu_threads_share_the_cores(monkeypatch, overrides, server_threads, wor
     assert env["OMP_NUM_THREADS"] == str(worker_threads)
     gpu_env = runtime_env_for(Platform(cuda=True), run.skyrl, cpu_threads=run.cpu_threads)["env_vars"]
     assert "OMP_NUM_THREADS" not in gpu_env  # on GPUs Ray's default stands
+
+
+@pytest.mark.parametrize(
+    ("allowed", "limit", "overrides", "threads"),
+    [
+        (range(4), None, [], (4, 4)),  # taskset / a container's cpuset: its cores, not the machine's
+        (range(8), "2", [], (2, 2)),  # OMP_NUM_THREADS caps each process
+        (range(8), "2", ["inference.num_engines=8"], (1, 2)),
+        (range(8), "2", ["inference.threads=3", "training.cpu_threads=5"], (3, 5)),  # asked for
+        (range(8), "junk", [], (8, 8)),
+    ],
+)
+def test_cpu_threads_follow_the_cores_this_process_may_use(monkeypatch, allowed, limit, overrides, threads):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(allowed))
+    if limit is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", limit)
+    cfg = compose_unified("model.path=org/model", *overrides)
+    run = resolve_run_config(cfg, platform=Platform(cuda=False), resolve_models=False)
+    assert (run.inference.threads, run.cpu_threads) == threads
 
 
 def test_training_threads_are_split_between_every_worker_on_a_node():

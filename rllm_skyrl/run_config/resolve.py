@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rllm_skyrl.hardware import Platform
+from rllm_skyrl.hardware import Platform, cpu_threads
 from rllm_skyrl.run_config import bridge
 from rllm_skyrl.run_config.algorithm import resolve_algorithm, with_off_policy_correction
 from rllm_skyrl.run_config.aliases import with_aliases
@@ -44,8 +43,8 @@ def resolve_run_config(
     with _config_errors():
         algorithm = with_off_policy_correction(algorithm, cfg, skyrl_cfg)
     roles = roles_for(skyrl_cfg)
-    # On-policy, rollouts and the trainer take turns on the machine's cores; fully-async they overlap.
-    cores = max(1, (os.cpu_count() or 1) // (2 if async_training else 1))
+    # On-policy, rollouts and the trainer take turns on the cores; fully-async they overlap.
+    overlap = 2 if async_training else 1
     return RunConfig(
         platform=platform,
         skyrl=skyrl_cfg,
@@ -54,14 +53,14 @@ def resolve_run_config(
         **algorithm,
         **_sampling(cfg, skyrl_cfg),
         drop_malformed=bool(select(cfg, "training.drop_malformed", False)),
-        inference=_inference(cfg, cores),
+        inference=_inference(cfg, overlap),
         checkpoint=_checkpoint(cfg, skyrl_cfg),
         rollout=_rendering(cfg),
         lora=lora,
         async_training=async_training,
         async_chunks=async_chunks,
         cpu_threads=int(
-            select(cfg, "training.cpu_threads") or max(1, cores // _workers_per_node(skyrl_cfg, roles))
+            select(cfg, "training.cpu_threads") or cpu_threads(overlap * _workers_per_node(skyrl_cfg, roles))
         ),
         warmup_steps_ratio=float(select(cfg, "rllm.algorithm.warmup_steps_ratio", 0.0) or 0.0),
     )
@@ -228,8 +227,9 @@ def _async_training(cfg: DictConfig, skyrl_cfg: Any) -> tuple[bool, int]:
     return True, mini_batch // chunk
 
 
-def _inference(cfg: DictConfig, cores: int) -> InferenceSettings:
-    """The servers to start (or use); a CPU server's threads share ``cores`` with its siblings."""
+def _inference(cfg: DictConfig, overlap: int) -> InferenceSettings:
+    """The servers to start (or use); a CPU server's threads share the cores with its siblings (and
+    with training when the two ``overlap``)."""
     num_engines = int(select(cfg, "inference.num_engines", 1))
     return InferenceSettings(
         urls=tuple(select(cfg, "inference.urls") or ()),
@@ -237,7 +237,7 @@ def _inference(cfg: DictConfig, cores: int) -> InferenceSettings:
         max_model_len=select(cfg, "inference.max_model_len"),
         max_batch_size=int(select(cfg, "inference.max_batch_size", 256)),
         deterministic_sampling=bool(select(cfg, "inference.deterministic_sampling", False)),
-        threads=int(select(cfg, "inference.threads") or max(1, cores // num_engines)),
+        threads=int(select(cfg, "inference.threads") or cpu_threads(overlap * num_engines)),
     )
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 from omegaconf import DictConfig
 from rllm.trainer.sft.backend import SFTBackend, SFTConfigError
 
-from rllm_skyrl.hardware import Platform
+from rllm_skyrl.hardware import Platform, cpu_threads
 from rllm_skyrl.sft import config as sft_config
 from rllm_skyrl.sft.data import check_rows, rows_of, write_pretokenized
 
@@ -108,11 +107,9 @@ class SkyRLSFTBackend(SFTBackend):
             self.prepare_data()
         typed = sft_config.sft_config(self.config)
         skyrl_cfg = sft_config.training_config(typed, self.platform)
-        cpu_threads = (
-            None if self.platform.cuda else max(1, (os.cpu_count() or 1) // typed.placement.num_gpus_per_node)
-        )
+        threads = None if self.platform.cuda else cpu_threads(typed.placement.num_gpus_per_node)
         owns_ray = start_ray(
-            skyrl_cfg, Path(typed.ckpt_path) / "logs", platform=self.platform, cpu_threads=cpu_threads
+            skyrl_cfg, Path(typed.ckpt_path) / "logs", platform=self.platform, cpu_threads=threads
         )
         metrics = RLLMMetrics(
             typed.ckpt_path, learning_rate_schedule(typed.optimizer_config, typed.num_steps)
