@@ -114,6 +114,15 @@ def _module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def pytest_configure(config):
+    """Each test process's runs get its share of the cores (``OMP_NUM_THREADS``, which a run's
+    default thread counts stay within): two runs side by side with a thread per core each were ~15%
+    slower than with one each (bench/README.md: 'Start-up')."""
+    processes = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if processes > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // processes)))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Modules (or the groups above) as units of work, dealt in collection order."""
