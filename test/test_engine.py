@@ -275,3 +275,43 @@ def test_render_reuses_the_ids_of_a_conversation_without_sharing_them(tiny_token
 
     unusual = [{**MESSAGES[0], "meta": object()}]  # not JSON: rendered every time, never kept
     assert engine.render(unusual) == expected and len(engine._rendered) == 2
+
+
+class _ClosingClient:
+    """Answers nothing until torn down, then fails what waits as aiohttp does on a closed session."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.closed = asyncio.Event()
+
+    async def _wait(self, *args, **kwargs):
+        self.waiting += 1
+        await self.closed.wait()
+        raise RuntimeError("Connection closed.")
+
+    sample = generate = _wait
+
+    async def teardown(self) -> None:
+        self.closed.set()
+
+
+@pytest.mark.parametrize("params", [{}, {"min_tokens": 2}], ids=["batched", "alone"])
+def test_close_cancels_the_calls_still_waiting_on_a_server(tiny_tokenizer, params):
+    """A run stopped mid-rollout closes the engine while rLLM's rollouts still wait: they end
+    cancelled, not failed with "Connection closed" (which rLLM logs with a traceback and retries)."""
+    client = _ClosingClient()
+    engine = SkyRLEngine(client, tiny_tokenizer, max_prompt_length=64, max_response_length=8)
+
+    async def main():
+        rollouts = [asyncio.create_task(engine.get_model_response(MESSAGES, **params)) for _ in range(3)]
+
+        async def waiting():  # the three share one call when batched
+            return client.waiting >= (3 if params else 1)
+
+        await async_wait_until(waiting, WAIT, "the calls to reach the server")
+        await engine.close()
+        return await asyncio.gather(*rollouts, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert client.closed.is_set()
+    assert all(isinstance(outcome, asyncio.CancelledError) for outcome in outcomes), outcomes

@@ -7,6 +7,7 @@ It only talks to the client, so it drives this package's CPU server and SkyRL's 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -36,6 +37,8 @@ RENDER_CACHE_SIZE = 4096
 _RENDER_KEY = json.JSONEncoder(sort_keys=True)
 
 _THINK_END = "</think>"
+# Seconds ``close`` gives the calls it cancels to unwind before it closes their sessions.
+CLOSE_GRACE_S = 5.0
 
 
 @dataclass
@@ -118,6 +121,7 @@ class SkyRLEngine:
         self.request_seed: int | None = None
         self.seeds = RequestSeeds()
         self.gateway: Any = None  # rLLM's model gateway when an AgentFlow samples through it
+        self._callers: set[asyncio.Task] = set()  # tasks waiting on a server, cancelled by close()
 
     @property
     def server_addresses(self) -> list[str]:
@@ -275,7 +279,16 @@ class SkyRLEngine:
                 self.request_seed, self.weight_version, prompt, validate, application_id
             )
         budget = params.pop("max_tokens")
-        client = self._data_client(session_id)
+        caller = asyncio.current_task()
+        self._callers.add(caller)
+        try:
+            return await self._sample(self._data_client(session_id), session_id, prompt, params, budget)
+        finally:
+            self._callers.discard(caller)
+
+    async def _sample(
+        self, client: Any, session_id: Any, prompt: list[int], params: dict[str, Any], budget: int
+    ) -> TokenOutput:
         tokens: list[int] = []
         logprobs: list[float] | None = [] if params.get("logprobs") is not None else None
         while True:
@@ -333,7 +346,17 @@ class SkyRLEngine:
         await self.client.wake_up()
 
     async def close(self) -> None:
-        """Call inside the event loop that opened the clients' HTTP sessions."""
+        """Call inside the event loop that opened the clients' HTTP sessions.
+
+        Rollouts still waiting on a server are cancelled first. rLLM leaves them running when a run
+        stops (Ctrl-C, SIGTERM, an error): a session closed under them would fail them with
+        "Connection closed", which rLLM's workflow engine logs with a traceback and retries.
+        """
+        callers = self._callers - {asyncio.current_task()}
+        for caller in callers:
+            caller.cancel()
+        if callers:
+            await asyncio.wait(callers, timeout=CLOSE_GRACE_S)
         for client in {id(c): c for c in [self.client, *self.data_clients]}.values():
             await client.teardown()
 
