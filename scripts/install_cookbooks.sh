@@ -23,9 +23,20 @@ RLLM_DIR="$(cd / && "$VENV/bin/python" -c 'import pathlib, rllm; print(pathlib.P
 UV="$(command -v uv || echo "$VENV/bin/uv")"
 [ -x "$UV" ] || { echo "error: no uv on PATH or in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
 
+# What a cookbook needs beyond this environment, and how to tell it is there: without it the cookbook
+# would train on rewards that mean nothing, so it is refused before anything is installed.
+needs() {
+  case "$1" in
+    finqa) [ -n "${OPENAI_API_KEY:-}" ] \
+      || echo "its evaluator grades every answer with OpenAI's API (a judge LLM): set OPENAI_API_KEY on a machine that reaches api.openai.com (without it every episode scores 0)" ;;
+  esac
+}
+
 targets=(-e ".[rewards]")
 for name in "$@"; do
   folder="${name%%\[*}"
+  missing="$(needs "$folder")"
+  [ -z "$missing" ] || { echo "error: $folder is left out: $missing" >&2; exit 2; }
   [ -f "$RLLM_DIR/cookbooks/$folder/pyproject.toml" ] \
     || { echo "error: $RLLM_DIR/cookbooks/$folder is not a cookbook (no pyproject.toml)" >&2; exit 2; }
   targets+=(-e "cookbooks/$name")

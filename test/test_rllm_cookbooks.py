@@ -25,7 +25,7 @@ from rllm_harness import requires_rllm
 
 pytestmark = requires_rllm
 
-COOKBOOKS = ("math", "solver_judge_flow", "math_tool_agent", "frozenlake", "agent_frameworks")
+COOKBOOKS = ("math", "solver_judge_flow", "math_tool_agent", "frozenlake", "agent_frameworks", "deepcoder")
 # What each is installed with: agent_frameworks's default agent is its LangGraph flow.
 EXTRAS = {"agent_frameworks": "[langgraph]"}
 SIZES = [
@@ -111,6 +111,36 @@ def frozenlake_rows(count: int, seed: int) -> list[dict]:
     ]
 
 
+def deepcoder_rows(count: int, seed: int) -> list[dict]:
+    """Rows as ``prepare_deepcoder_data.py`` writes them: stdin/stdout tests, graded by running the
+    code on this machine (LiveCodeBench's runner, no sandbox)."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        pairs = [(rng.randint(1, 99), rng.randint(1, 99)) for _ in range(2)]
+        tests = [
+            {
+                "input": f"{a} {b}\n",
+                "output": f"{a + b}\n",
+                "testtype": "stdin_stdout",
+                "metadata": {"func_name": None},
+            }
+            for a, b in pairs
+        ]
+        rows.append(
+            {
+                "uid": f"deepcoder_{seed}_{index}",
+                "index": index,
+                "question": "Read two integers from one line of standard input and print their sum.",
+                "ground_truth": json.dumps(tests),
+                "data_source": "livecodebench",
+                "starter_code": "",
+                "metadata": json.dumps({}),
+            }
+        )
+    return rows
+
+
 DATASETS = {
     "math": lambda: [
         ("hendrycks_math", "train", math_rows(TRAIN_ROWS, 0, "hendrycks_math")),
@@ -131,6 +161,10 @@ DATASETS = {
     "agent_frameworks": lambda: [
         ("deepscaler_math", "train", math_rows(TRAIN_ROWS, 0, "deepscaler_math")),
         ("math500", "test", math_rows(TEST_ROWS, 1, "math500")),
+    ],
+    "deepcoder": lambda: [
+        ("deepcoder", "train", deepcoder_rows(TRAIN_ROWS, 0)),
+        ("deepcoder", "test", deepcoder_rows(TEST_ROWS, 1)),
     ],
 }
 
@@ -178,6 +212,41 @@ def check_trained(run: dict) -> None:
 @pytest.mark.parametrize("name", COOKBOOKS)
 def test_cookbook_trains_unchanged(name, installed, long_context_model, tmp_path):
     check_trained(run_cookbook(name, long_context_model, tmp_path))
+
+
+def test_deepcoder_rows_are_graded_by_running_the_code_here():
+    """The rows the deepcoder run trains on are the cookbook's own format, and its evaluator grades
+    them by running the answer on this machine: a right program scores 1, a wrong one 0."""
+    from rllm.types import Episode
+
+    sys.path.insert(0, str(cookbook_dir("deepcoder")))
+    try:
+        from deepcoder_eval import deepcoder_evaluator
+    finally:
+        sys.path.pop(0)
+    (row,) = deepcoder_rows(1, 0)
+    answers = {
+        "```python\na, b = map(int, input().split())\nprint(a + b)\n```": 1.0,
+        "```python\na, b = map(int, input().split())\nprint(a - b)\n```": 0.0,
+    }
+    for answer, reward in answers.items():
+        episode = Episode(artifacts={"answer": answer})
+        assert deepcoder_evaluator.evaluate(row, episode).reward == reward, answer
+
+
+def test_finqa_is_refused_in_one_line_without_its_judge():
+    """finqa's evaluator grades through OpenAI's API; without a key it would score every episode 0."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+    result = subprocess.run(
+        [str(REPO / "scripts/install_cookbooks.sh"), "math", "finqa"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: finqa is left out: ") and "OPENAI_API_KEY" in line, line
 
 
 def test_geo3k_is_refused_in_one_line_with_a_text_only_model(tiny_model_dir):
