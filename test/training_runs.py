@@ -100,7 +100,15 @@ def launch(run: Run, overrides: list[str], env: dict[str, str]) -> subprocess.Po
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_ctrl_c_as_from_a_terminal,
         )
+
+
+def _ctrl_c_as_from_a_terminal() -> None:
+    """In the child, before exec: Ctrl-C at its default, as a terminal starts a program. A suite
+    started in the background (``cmd &`` in a script, where a shell ignores SIGINT for it) passes
+    the ignored SIGINT on to every run it starts, and a run then rightly ignores Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait(run: Run, process: subprocess.Popen, started: float, timeout: float = RUN_TIMEOUT) -> Run:
