@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal as _signal
 import subprocess
 import sys
 import textwrap
@@ -45,7 +46,15 @@ with clean_stop(always=True):
 """
 
 
-def _run(signal: str = "SIGTERM", reclaim: bool = True, body: str = "asyncio.run(main())", env=None):
+def _run(
+    signal: str = "SIGTERM",
+    reclaim: bool = True,
+    body: str = "asyncio.run(main())",
+    env=None,
+    sigint=_signal.SIG_DFL,
+):
+    """The script in a child whose Ctrl-C is ``sigint``: its default, as a terminal starts a program,
+    or ignored, as a script's ``cmd &`` or nohup starts it (whatever the suite itself was started with)."""
     script = textwrap.dedent(_RUN).format(signal=signal, reclaim=reclaim, body=body)
     return subprocess.run(
         [sys.executable, "-c", script],
@@ -53,11 +62,20 @@ def _run(signal: str = "SIGTERM", reclaim: bool = True, body: str = "asyncio.run
         text=True,
         timeout=60,
         env={**os.environ, **(env or {})},
+        preexec_fn=lambda: _signal.signal(_signal.SIGINT, sigint),
     )
 
 
 def test_sigterm_inside_a_task_cancels_the_run_instead_of_killing_the_task():
     done = _run()
+    assert done.returncode == 143, done.stderr
+    assert "request ended by CancelledError" in done.stdout and "unwound" in done.stdout, done.stdout
+    assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_sigterm_in_a_run_started_in_the_background_also_cancels_the_run():
+    """Started with SIGINT ignored, asyncio.run installs no Ctrl-C handler to forward SIGTERM to."""
+    done = _run(sigint=_signal.SIG_IGN)
     assert done.returncode == 143, done.stderr
     assert "request ended by CancelledError" in done.stdout and "unwound" in done.stdout, done.stdout
     assert "stopped by SIGTERM" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -38,6 +38,17 @@ def _on_sigterm(signum: int, frame: object) -> None:
         # a second signal raises at once, as a second Ctrl-C does.
         on_sigint(signal.SIGINT, frame)
         return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise Terminated() from None
+    # asyncio.run installs no Ctrl-C handler when the run started with SIGINT ignored (``cmd &`` in a
+    # script, nohup): the loop raises it between callbacks, not inside the task the signal
+    # interrupted, and asyncio.run then cancels every task, so the run unwinds as above.
+    loop.call_soon_threadsafe(_raise_terminated)
+
+
+def _raise_terminated() -> None:
     raise Terminated()
 
 
