@@ -32,7 +32,10 @@ needs() {
   esac
 }
 
-targets=(-e ".[rewards]")
+# rLLM and this package by name, so the installed editables stay as they are while the resolver
+# keeps to their requirements: reinstalling them would leave any process starting meanwhile (a Ray
+# worker of a run going on beside) unable to import them.
+targets=("rllm[rewards]" "rllm-skyrl[dev]")
 for name in "$@"; do
   folder="${name%%\[*}"
   missing="$(needs "$folder")"
@@ -42,4 +45,4 @@ for name in "$@"; do
   targets+=(-e "cookbooks/$name")
 done
 (cd "$RLLM_DIR" && "$UV" pip install --quiet --python "$VENV/bin/python" --compile-bytecode \
-  --override "$OVERRIDES" -e "$ROOT[dev]" "${targets[@]}")
+  --override "$OVERRIDES" "${targets[@]}")

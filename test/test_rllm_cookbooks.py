@@ -55,6 +55,17 @@ def installed() -> None:
     subprocess.run([str(REPO / "scripts/install_cookbooks.sh"), *names], check=True, timeout=900)
 
 
+@pytest.mark.slow
+def test_installing_a_cookbook_leaves_rllm_and_this_package_in_place(installed):
+    """The other test process runs training meanwhile: its new processes (Ray workers) must find
+    rLLM and this package importable at every moment, so neither is reinstalled."""
+    marks = sorted(Path(sys.prefix).glob("lib/python*/site-packages/__editable__*rllm*"))
+    assert len(marks) >= 4, f"rLLM and this package are not both editable installs in {sys.prefix}: {marks}"
+    before = {path: path.stat().st_mtime_ns for path in marks}
+    subprocess.run([str(REPO / "scripts/install_cookbooks.sh"), "math"], check=True, timeout=900)
+    assert {path: path.stat().st_mtime_ns for path in marks} == before
+
+
 @pytest.fixture(scope="module")
 def long_context_model() -> str:
     """The tiny model with room for the cookbooks' system prompts and multi-turn chats."""
