@@ -18,13 +18,9 @@ if [ $# -eq 0 ]; then
   echo "usage: $0 COOKBOOK... (folder names under rLLM's cookbooks/)" >&2
   exit 2
 fi
-RLLM_DIR="$(cd / && "$VENV/bin/python" -c 'import pathlib, rllm; print(pathlib.Path(rllm.__file__).resolve().parent.parent)' 2>/dev/null)" \
-  || { echo "error: rLLM is not installed in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
-UV="$(command -v uv || echo "$VENV/bin/uv")"
-[ -x "$UV" ] || { echo "error: no uv on PATH or in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
 
 # What a cookbook needs beyond this environment, and how to tell it is there: without it the cookbook
-# would train on rewards that mean nothing, so it is refused before anything is installed.
+# would train on rewards that mean nothing, so it is refused before anything else.
 needs() {
   case "$1" in
     finqa) [ -n "${OPENAI_API_KEY:-}" ] \
@@ -32,14 +28,22 @@ needs() {
   esac
 }
 
+for name in "$@"; do
+  missing="$(needs "${name%%\[*}")"
+  [ -z "$missing" ] || { echo "error: ${name%%\[*} is left out: $missing" >&2; exit 2; }
+done
+
+RLLM_DIR="$(cd / && "$VENV/bin/python" -c 'import pathlib, rllm; print(pathlib.Path(rllm.__file__).resolve().parent.parent)' 2>/dev/null)" \
+  || { echo "error: rLLM is not installed in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
+UV="$(command -v uv || echo "$VENV/bin/uv")"
+[ -x "$UV" ] || { echo "error: no uv on PATH or in $VENV; run scripts/install_rllm.sh first" >&2; exit 1; }
+
 # rLLM and this package by name, so the installed editables stay as they are while the resolver
 # keeps to their requirements: reinstalling them would leave any process starting meanwhile (a Ray
 # worker of a run going on beside) unable to import them.
 targets=("rllm[rewards]" "rllm-skyrl[dev]")
 for name in "$@"; do
   folder="${name%%\[*}"
-  missing="$(needs "$folder")"
-  [ -z "$missing" ] || { echo "error: $folder is left out: $missing" >&2; exit 2; }
   [ -f "$RLLM_DIR/cookbooks/$folder/pyproject.toml" ] \
     || { echo "error: $RLLM_DIR/cookbooks/$folder is not a cookbook (no pyproject.toml)" >&2; exit 2; }
   targets+=(-e "cookbooks/$name")
